@@ -1,0 +1,5 @@
+import sys
+
+from meshloom.cli import main
+
+sys.exit(main())

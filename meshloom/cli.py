@@ -1,0 +1,53 @@
+"""`meshloom <command> ...`: the single entry point of the package."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def _train(argv: list[str]) -> int:
+    from meshloom.train.main import main
+
+    return main(argv)
+
+
+def _report(argv: list[str]) -> int:
+    from meshloom.tools.report import main
+
+    return main(argv)
+
+
+def _parity(argv: list[str]) -> int:
+    from meshloom.tools.parity import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "train": (_train, "train a model from a TOML recipe plus --section.field overrides"),
+    "report": (_report, "plot the loss curves of one or more run folders to a PNG"),
+    "parity": (_parity, "compare parallel layouts' losses with a 1-process reference"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: meshloom <command> [args]", "", "commands:"]
+    lines += [f"  {name:<16} {doc}" for name, (_, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"meshloom: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return COMMANDS[command][0](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The typed configuration of a run: one dataclass per concern.
+
+Each field's docstring (the string literal under it) is the user-facing help text:
+`meshloom train --help` reads it from this file, so keep them short and true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class JobConfig:
+    dump_folder: str = "runs/debug"
+    """Run folder: metrics.jsonl, TensorBoard events, checkpoints and diagnostics go here."""
+
+    description: str = ""
+    """Free text shown at start-up and stored with the run."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama3"
+    """Model family in the registry."""
+
+    flavor: str = "debug"
+    """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B)."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 200
+    """Number of optimizer steps."""
+
+    local_batch_size: int = 8
+    """Sequences per forward pass on each data-parallel rank (one microbatch)."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree.
+    A multiple of that product turns into gradient accumulation."""
+
+    seq_len: int = 256
+    """Tokens per sequence; at most the model flavour's max_seq_len."""
+
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm; 0 disables clipping (the norm is still logged)."""
+
+    seed: int = 42
+    """Seed for weight init, data order and every RNG."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms only (bitwise-reproducible runs, somewhat slower)."""
+
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype: fp32, or bf16 autocast with fp32 master weights."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: auto picks CUDA when present, else CPU."""
+
+    nonfinite: Literal["halt", "skip_step"] = "halt"
+    """On a NaN/inf loss or gradient norm: halt (write a diagnostic dump and stop) or skip_step (drop the update)."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer."""
+
+    lr: float = 8e-4
+    """Peak learning rate, reached at the end of warm-up."""
+
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms or biases."""
+
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """Kernel choice: auto = fused on CUDA, foreach elsewhere."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 20
+    """Steps of linear warm-up from near zero to optimizer.lr."""
+
+    decay_type: Literal["linear", "cosine", "wsd"] = "cosine"
+    """Shape after warm-up: linear or cosine decay to the minimum, or warmup-stable-decay."""
+
+    decay_ratio: float = 0.2
+    """wsd only: fraction of all steps spent in the final linear decay."""
+
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optimizer.lr."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Folder of text files to train on; empty = the built-in corpus (this interpreter's standard-library source)."""
+
+    glob: str = "**/*.txt"
+    """Files of data.path to read (ignored for the built-in corpus, which reads *.py)."""
+
+    max_bytes: int = 12_000_000
+    """Read at most this many bytes of the corpus (whole files, in sorted order); 0 = no cap."""
+
+    tokenizer: str = "builtin"
+    """builtin (byte-level BPE trained on the corpus and cached), a HF tokenizer.json, or a tiktoken BPE file."""
+
+    vocab_size: int = 2048
+    """Vocabulary of the built-in BPE; must not exceed the model's vocab_size."""
+
+    validation_fraction: float = 0.02
+    """Share of documents held out for validation (chosen by a hash of the document id)."""
+
+    cache_dir: str = ""
+    """Where the trained tokenizer and token arrays are cached; empty = ~/.cache/meshloom."""
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP's replicate dimension); parameters are not sharded across it."""
+
+    dp_shard: int = -1
+    """FSDP shard degree; -1 = whatever the world size leaves after the other degrees."""
+
+    tp: int = 1
+    """Tensor-parallel degree, with sequence parallel on the norms and loss parallel on the output."""
+
+    pp: int = 1
+    """Pipeline-parallel degree."""
+
+    cp: int = 1
+    """Context-parallel degree (sequence split across ranks)."""
+
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models only)."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: default = yes except the root module, which backward needs first."""
+
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of FSDP gradient reduce-scatter; parameters are gathered in training.mixed_precision's dtype."""
+
+    fsdp_cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (CUDA only saves memory)."""
+
+    loss_parallel: bool = True
+    """With tp > 1, compute the loss on vocabulary-sharded logits instead of gathering them."""
+
+    init: Literal["auto", "full", "sharded"] = "auto"
+    """full: each rank initialises the whole model from training.seed, then shards it, so any layout starts from
+    the 1-process weights; sharded: build on meta and initialise only local shards (large models);
+    auto: full below 2B parameters."""
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = True
+    """Evaluate the loss on the held-out split."""
+
+    freq: int = 0
+    """Evaluate every N steps; 0 = only after the last step."""
+
+    steps: int = 4
+    """Batches per evaluation."""
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 10
+    """Log every N steps (and the first and last step)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to <dump_folder>/tb."""
+
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package)."""
+
+    progress_bar: bool = True
+    """Show a progress bar in the console."""
+
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU; 0 = GPU table, or a short matmul measurement on CPU."""
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

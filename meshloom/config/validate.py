@@ -1,0 +1,43 @@
+"""Value checks that need no model, data or devices: they run before anything is built."""
+
+from __future__ import annotations
+
+from meshloom.config.loader import ConfigError
+from meshloom.config.schema import Config
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    t, o, lr, d, m = config.training, config.optimizer, config.lr_scheduler, config.data, config.metrics
+    v = config.validation
+    _require(t.steps > 0, f"training.steps must be positive, got {t.steps}; set e.g. --training.steps 100")
+    _require(t.local_batch_size > 0, f"training.local_batch_size must be positive, got {t.local_batch_size}")
+    _require(
+        t.global_batch_size == -1 or t.global_batch_size > 0,
+        f"training.global_batch_size must be positive or -1 (derive it), got {t.global_batch_size}",
+    )
+    _require(t.seq_len > 0, f"training.seq_len must be positive, got {t.seq_len}")
+    _require(t.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
+    _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1/beta2 must lie in [0, 1), got {o.beta1}, {o.beta2}")
+    _require(o.eps > 0, f"optimizer.eps must be positive, got {o.eps}")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+    _require(lr.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
+    _require(0 < lr.decay_ratio <= 1, f"lr_scheduler.decay_ratio must lie in (0, 1], got {lr.decay_ratio}")
+    _require(0 <= lr.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must lie in [0, 1], got {lr.min_lr_ratio}")
+    _require(d.max_bytes >= 0, f"data.max_bytes must be >= 0 (0 = no cap), got {d.max_bytes}")
+    _require(d.vocab_size >= 258, f"data.vocab_size must be at least 258 (256 bytes + bos/eos), got {d.vocab_size}")
+    _require(0 <= d.validation_fraction < 1, f"data.validation_fraction must lie in [0, 1), got {d.validation_fraction}")
+    _require(m.log_freq > 0, f"metrics.log_freq must be positive, got {m.log_freq}")
+    _require(m.peak_tflops >= 0, f"metrics.peak_tflops must be >= 0 (0 = auto), got {m.peak_tflops}")
+    _require(v.freq >= 0, f"validation.freq must be >= 0 (0 = only at the end), got {v.freq}")
+    _require(v.steps > 0, f"validation.steps must be positive, got {v.steps}")
+    par = config.parallelism
+    for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
+        value = getattr(par, name)
+        _require(value >= 1, f"parallelism.{name} must be >= 1, got {value}")
+    _require(par.dp_shard == -1 or par.dp_shard >= 1, f"parallelism.dp_shard must be >= 1 or -1 (infer), got {par.dp_shard}")

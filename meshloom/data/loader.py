@@ -1,0 +1,219 @@
+"""Token stream, packed fixed-length samples, and a resumable data-parallel loader.
+
+The loader's only state is one global counter of samples consumed by all
+data-parallel ranks together. Every rank reads the same seeded global order and
+takes its own block of each global batch, so a checkpoint taken with one
+data-parallel degree resumes under another without repeating or skipping data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshloom.data.builtin_corpus import Document, corpus_identity
+from meshloom.data.tokenizer import Tokenizer
+
+_ENCODE_CHUNK_DOCS = 256  # bounds peak memory of Python id lists while tokenizing
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that holds every id."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _encode_docs(tokenizer: Tokenizer, docs: list[Document], dtype: np.dtype) -> np.ndarray:
+    parts: list[np.ndarray] = []
+    bos = np.array([tokenizer.bos_id], dtype=dtype)
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    for start in range(0, len(docs), _ENCODE_CHUNK_DOCS):
+        chunk = [d.text for d in docs[start:start + _ENCODE_CHUNK_DOCS]]
+        for ids in tokenizer.encode_batch(chunk):
+            parts.extend((bos, np.asarray(ids, dtype=dtype), eos))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def token_cache_path(tokenizer: Tokenizer, docs: list[Document], cache_dir: Path) -> Path:
+    key = hashlib.sha256(
+        f"tokens-v1\0{tokenizer.identity}\0{corpus_identity(docs)}".encode()
+    ).hexdigest()[:24]
+    return Path(cache_dir) / f"tokens-{key}.npy"
+
+
+def tokenize_corpus(tokenizer: Tokenizer, docs: list[Document], cache_dir: Path) -> np.ndarray:
+    """All documents as one token stream: [bos] + ids + [eos] per document, in order.
+
+    The result is cached in cache_dir keyed by the tokenizer identity and the
+    corpus identity; a cached stream is memory-mapped read-only. Several ranks
+    may call this at once: each writes a private temp file and renames it into
+    place, so readers only ever see a complete file.
+    """
+    dtype = token_dtype(tokenizer.vocab_size)
+    path = token_cache_path(tokenizer, docs, cache_dir)
+    if path.exists():
+        tokens = np.load(path, mmap_mode="r")
+        assert tokens.dtype == dtype and tokens.ndim == 1, f"unexpected token cache {path}"
+        return tokens
+
+    tokens = _encode_docs(tokenizer, docs, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:  # a file object keeps np.save from appending ".npy"
+            np.save(f, tokens)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return tokens
+
+
+class PackedDataset:
+    """Non-overlapping windows of seq_len+1 tokens; sample i starts at token i*seq_len.
+
+    Windows share one boundary token so every token (but the last) is a target
+    exactly once. Documents are packed back to back, separated by bos/eos.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if len(tokens) < seq_len + 1:
+            raise ValueError(
+                f"the corpus has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}; "
+                "add text (data.path / data.max_bytes) or lower training.seq_len"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def window(self, i: int) -> np.ndarray:
+        """The seq_len+1 raw tokens of sample i."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        start = i * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1]
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, label) int64 tensors of length seq_len; label is input shifted by one."""
+        w = torch.from_numpy(self.window(i).astype(np.int64))
+        return w[:-1], w[1:]
+
+    __getitem__ = sample
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor  # [L, S] int64
+    labels: torch.Tensor  # [L, S] int64
+    sample_ids: torch.Tensor  # [L] int64, index into the dataset
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return Batch(
+            self.inputs.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.sample_ids.to(device, non_blocking=non_blocking),
+        )
+
+
+class StatefulLoader:
+    """Deterministic, resumable, data-parallel-sharded batches of a PackedDataset.
+
+    The global stream is epoch 0's order, then epoch 1's, and so on; epoch e is
+    a permutation seeded with seed+e (identity order when shuffle=False). A
+    global batch is the next local_batch_size*dp_size positions of the stream;
+    rank r takes positions [consumed + r*L, consumed + (r+1)*L). Blocks may span
+    an epoch boundary.
+    """
+
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ):
+        if local_batch_size < 1:
+            raise ValueError(f"local batch size must be >= 1, got {local_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        self.dataset = dataset
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.consumed = 0
+        self._order_epoch = -1
+        self._order = np.zeros(0, dtype=np.int64)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.local_batch_size * self.dp_size
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.num_samples
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            n = self.num_samples
+            if self.shuffle:
+                self._order = np.random.default_rng(self.seed + epoch).permutation(n)
+            else:
+                self._order = np.arange(n)
+            self._order_epoch = epoch
+        return self._order
+
+    def sample_ids_at(self, positions: range) -> list[int]:
+        """Dataset indices at the given positions of the global stream."""
+        n = self.num_samples
+        return [int(self._epoch_order(p // n)[p % n]) for p in positions]
+
+    def next_batch(self) -> Batch:
+        start = self.consumed + self.dp_rank * self.local_batch_size
+        ids = self.sample_ids_at(range(start, start + self.local_batch_size))
+        windows = np.stack([self.dataset.window(i) for i in ids]).astype(np.int64)
+        data = torch.from_numpy(windows)
+        self.consumed += self.global_batch_size
+        return Batch(
+            inputs=data[:, :-1].contiguous(),
+            labels=data[:, 1:].contiguous(),
+            sample_ids=torch.tensor(ids, dtype=torch.int64),
+        )
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        """Resume from state_dict(); the saved seed is adopted so the order continues unchanged."""
+        missing = {"consumed", "seed", "num_samples"} - set(sd)
+        if missing:
+            raise ValueError(f"data loader state is missing {sorted(missing)}")
+        if int(sd["num_samples"]) != self.num_samples:
+            raise ValueError(
+                f"data loader state was saved for {sd['num_samples']} samples but the dataset has "
+                f"{self.num_samples}; resume with the same data and seq_len settings"
+            )
+        if int(sd["consumed"]) < 0:
+            raise ValueError(f"data loader state has negative consumed={sd['consumed']}")
+        self.consumed = int(sd["consumed"])
+        self.seed = int(sd["seed"])
+        self._order_epoch = -1  # the seed may have changed

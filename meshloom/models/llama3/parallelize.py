@@ -1,0 +1,75 @@
+"""The one place where parallelism is applied to Llama 3, in a fixed order: TP/SP, AC, compile, FSDP."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshloom.config.schema import Config
+from meshloom.models.llama3.model import Transformer
+from meshloom.parallel.dims import ParallelDims
+from meshloom.parallel.fsdp import apply_fsdp
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh, loss_parallel: bool) -> None:
+    """Megatron-style column/row split of each block, with the activations between blocks sharded on sequence."""
+    root_plan = {}
+    if model.tok_embeddings is not None:
+        # Embedding rows (vocabulary) are split; its output leaves sequence-sharded for the first norm.
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, root_plan)
+
+    for block in model.layers.values():
+        block_plan = {
+            "attention_norm": SequenceParallel(),
+            # Attention and MLP need the whole sequence: gather it on the way in (cos/sin stay local tensors).
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+def parallelize_llama3(model: Transformer, dims: ParallelDims, config: Config) -> Transformer:
+    par = config.parallelism
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel)
+    # Activation checkpointing and compile wrap each block here, between TP and FSDP (their modes come later).
+    if dims.fsdp_enabled or dims.dp_replicate > 1:
+        param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
+        apply_fsdp(
+            model,
+            list(model.layers.values()),
+            dims.mesh("fsdp"),
+            param_dtype=param_dtype,
+            reduce_dtype=DTYPES[par.fsdp_reduce_dtype],
+            reshard_after_forward=par.fsdp_reshard_after_forward,
+            cpu_offload=par.fsdp_cpu_offload,
+        )
+    return model

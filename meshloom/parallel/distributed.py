@@ -1,0 +1,51 @@
+"""Process-group life cycle under torchrun: NCCL on GPUs, gloo on CPUs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: torch.device, timeout_s: float = 300.0) -> int:
+    """Join the process group torchrun describes (idempotent); returns the world size."""
+    world_size = world_size_from_env()
+    if world_size > 1 and not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return world_size
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def share_error(message: str | None) -> str | None:
+    """Rank 0's error message (or None) on every rank; a no-op without a process group."""
+    if not dist.is_initialized():
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shutdown_and_exit(code: int) -> None:
+    """Leave the process group cleanly, then exit without interpreter teardown.
+
+    gloo processes that built a device mesh can abort in C++ destructors at interpreter exit after a clean
+    shutdown, which would turn a successful run into a failed torchrun; os._exit skips those destructors.
+    """
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

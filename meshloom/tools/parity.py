@@ -1,0 +1,214 @@
+"""Loss parity: a parallel layout must compute what one process computes.
+
+`meshloom parity --layout dp_shard=2,tp=2 ...` trains the `tiny` model for a few steps in one fp32 process
+(the reference), then under each layout with torchrun on gloo, and compares per-step losses and the
+final gradient norm. Layouts that need the same number of ranks share one torchrun launch, because
+each rank pays seconds just to import torch.
+
+Tolerances: fp32 layouts must match to FP32_TOLERANCE (reductions only reorder sums). A layout run in
+bf16 (`mixed_precision=bf16` in its spec) is compared with the fp32 reference to BF16_TOLERANCE: bf16
+rounding moves the loss by about 1e-3 after a few steps at this scale, so the bound is 20x that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FP32_TOLERANCE = 1e-5
+BF16_TOLERANCE = 2e-2
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+TRAINING_KEYS = ("mixed_precision",)
+
+
+def base_overrides(steps: int, workdir: Path) -> list[str]:
+    """A tiny, fast, deterministic run; the data cache is shared so only the reference builds it."""
+    return [
+        "--model.flavor", "tiny",
+        "--training.steps", str(steps),
+        "--training.seq_len", "64",
+        "--training.global_batch_size", "8",
+        "--training.seed", "7",
+        "--optimizer.lr", "3e-3",
+        "--lr_scheduler.warmup_steps", "2",
+        "--data.max_bytes", "400000",
+        "--data.vocab_size", "512",
+        "--data.cache_dir", str(workdir / "cache"),
+        "--validation.enable", "false",
+        "--metrics.tensorboard", "false",
+        "--metrics.progress_bar", "false",
+        "--metrics.peak_tflops", "1",
+    ]
+
+
+@dataclass
+class Layout:
+    spec: str
+    settings: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str) -> Layout:
+        settings = {}
+        for item in filter(None, spec.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"layout item {item!r} in {spec!r} must look like key=value, e.g. dp_shard=2")
+            settings[key.strip()] = value.strip()
+        return cls(spec, settings)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(int(self.settings.get(name, 1)) for name in DEGREES)
+
+    @property
+    def dp(self) -> int:
+        return int(self.settings.get("dp_replicate", 1)) * int(self.settings.get("dp_shard", 1))
+
+    @property
+    def tolerance(self) -> float:
+        return BF16_TOLERANCE if self.settings.get("mixed_precision") == "bf16" else FP32_TOLERANCE
+
+    def overrides(self, global_batch: int = 8) -> list[str]:
+        args = ["--parallelism.dp_shard", self.settings.get("dp_shard", "1")]
+        for key, value in self.settings.items():
+            if key == "dp_shard":
+                continue
+            section = "training" if key in TRAINING_KEYS else "parallelism"
+            args += [f"--{section}.{key}", value]
+        return args + ["--training.local_batch_size", str(global_batch // self.dp)]
+
+
+@dataclass
+class Curve:
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def run_steps(argv: list[str]) -> Curve:
+    """Train in this process (one rank of a launch, or the 1-process reference) and record every step."""
+    from meshloom.config.loader import load_config
+    from meshloom.train.trainer import Trainer
+
+    trainer = Trainer(load_config(argv))
+    results = [trainer.train_step() for _ in range(trainer.config.training.steps)]
+    return Curve([r.loss for r in results], [r.grad_norm for r in results])
+
+
+def launch(layouts: list[Layout], steps: int, workdir: Path) -> dict[str, Curve]:
+    """One torchrun per world size; every layout of that size runs in turn inside it."""
+    by_world: dict[int, list[Layout]] = defaultdict(list)
+    for layout in layouts:
+        by_world[layout.world_size].append(layout)
+    curves: dict[str, Curve] = {}
+    for world_size, group in sorted(by_world.items()):
+        cases = {
+            layout.spec: base_overrides(steps, workdir)
+            + layout.overrides()
+            + ["--job.dump_folder", str(workdir / f"run_{i}_{world_size}")]
+            for i, layout in enumerate(group)
+        }
+        cases_file = workdir / f"cases_{world_size}.json"
+        out_file = workdir / f"curves_{world_size}.json"
+        cases_file.write_text(json.dumps(cases))
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+            "-m", "meshloom.tools.parity", "--worker", str(cases_file), str(out_file),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"parity launch of {world_size} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        for spec, data in json.loads(out_file.read_text()).items():
+            curves[spec] = Curve(**data)
+    return curves
+
+
+def worker(cases_file: Path, out_file: Path) -> None:
+    """Runs under torchrun: every case in turn, rank 0 writes the curves."""
+    from meshloom.parallel.distributed import rank, shutdown_and_exit
+
+    curves = {spec: run_steps(argv).__dict__ for spec, argv in json.loads(cases_file.read_text()).items()}
+    if rank() == 0:
+        out_file.write_text(json.dumps(curves))
+    shutdown_and_exit(0)
+
+
+@dataclass
+class Comparison:
+    layout: Layout
+    curve: Curve
+    max_loss_diff: float
+    grad_norm_diff: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_loss_diff <= self.layout.tolerance and self.grad_norm_diff <= self.layout.tolerance
+
+
+def compare(layout_specs: list[str], steps: int = 10, workdir: Path | None = None) -> tuple[Curve, list[Comparison]]:
+    layouts = [Layout.parse(spec) for spec in layout_specs]
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="meshloom-parity-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    reference = run_steps(base_overrides(steps, workdir) + ["--job.dump_folder", str(workdir / "reference")])
+    curves = launch(layouts, steps, workdir)
+    comparisons = []
+    for layout in layouts:
+        curve = curves[layout.spec]
+        loss_diff = max(abs(a - b) for a, b in zip(reference.losses, curve.losses, strict=True))
+        comparisons.append(Comparison(layout, curve, loss_diff, abs(reference.grad_norms[-1] - curve.grad_norms[-1])))
+    return reference, comparisons
+
+
+def plot(reference: Curve, comparisons: list[Comparison], out: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4))
+    losses, diffs = figure.subplots(1, 2)
+    steps = range(1, len(reference.losses) + 1)
+    losses.plot(steps, reference.losses, "k-", linewidth=3, alpha=0.4, label="1 process (reference)")
+    for c in comparisons:
+        losses.plot(steps, c.curve.losses, "--", label=c.layout.spec)
+        diffs.semilogy(steps, [abs(a - b) + 1e-12 for a, b in zip(reference.losses, c.curve.losses)], label=c.layout.spec)
+    diffs.axhline(FP32_TOLERANCE, color="red", linewidth=1, label="fp32 tolerance")
+    losses.set(xlabel="step", ylabel="loss", title="loss")
+    diffs.set(xlabel="step", ylabel="|loss - reference|", title="difference from 1 process")
+    losses.legend(fontsize=7)
+    diffs.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker(Path(argv[1]), Path(argv[2]))
+        return 0
+    parser = argparse.ArgumentParser(prog="meshloom parity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", action="append", required=True, help="e.g. dp_shard=2,tp=2 (repeatable)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
+    args = parser.parse_args(argv)
+    reference, comparisons = compare(args.layout, args.steps, args.workdir)
+    print(f"{'layout':<40} {'ranks':>5} {'max |dloss|':>12} {'|dgrad_norm|':>13} {'tolerance':>10}  result")
+    for c in comparisons:
+        print(
+            f"{c.layout.spec:<40} {c.layout.world_size:>5} {c.max_loss_diff:>12.2e} {c.grad_norm_diff:>13.2e} "
+            f"{c.layout.tolerance:>10.0e}  {'ok' if c.ok else 'MISMATCH'}"
+        )
+    if args.plot:
+        print(f"plot: {plot(reference, comparisons, args.plot)}")
+    return 0 if all(c.ok for c in comparisons) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Plot loss vs step from one or more runs' metrics.jsonl into a PNG.
+
+    meshloom report RUN_DIR [RUN_DIR ...] [--out FILE]
+
+Uses matplotlib's object API with the Agg canvas directly, so it never touches pyplot's global
+backend state and works on headless machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def load_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]]:
+    """(steps, values) for `key` from run_dir/metrics.jsonl, sorted by step.
+
+    A resumed run appends to the same file and may re-log steps it already logged before the
+    checkpoint it resumed from; the later entry wins, as it belongs to the run that continued.
+    Returns empty lists when no line carries `key`.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {str(run_dir)!r} does not exist")
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"run directory {str(run_dir)!r} has no {METRICS_FILE}; "
+            "pass the folder of a run that has logged at least one step"
+        )
+    by_step: dict[int, float] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'step' field")
+            if key in record:
+                try:
+                    by_step[int(record["step"])] = float(record[key])
+                except (TypeError, ValueError):
+                    raise ValueError(f"{path}:{lineno}: 'step' and {key!r} must be numbers") from None
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Run folder names, falling back to full paths when two runs share a name."""
+    names = [p.resolve().name for p in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [str(p) for p in run_dirs]
+
+
+def write_report(run_dirs: list[Path], out: Path | None) -> Path:
+    """Write a loss-vs-step PNG (one curve per run, validation loss dashed if logged).
+
+    Default output: RUN_DIR/loss.png for one run, or loss_comparison.png next to the first run
+    directory when comparing several.
+    """
+    run_dirs = [Path(p) for p in run_dirs]
+    if not run_dirs:
+        raise ValueError("no run directories given; pass at least one RUN_DIR")
+
+    curves = []
+    for run_dir in run_dirs:
+        steps, losses = load_curve(run_dir, "loss")
+        if not steps:
+            raise ValueError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
+        curves.append(((steps, losses), load_curve(run_dir, "val_loss")))
+
+    if out is None:
+        out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    fig = Figure(figsize=(8, 5), dpi=100)
+    ax = fig.add_subplot()
+    for label, ((steps, losses), (val_steps, val_losses)) in zip(_labels(run_dirs), curves):
+        (line,) = ax.plot(steps, losses, label=label, linewidth=1.2)
+        if val_steps:
+            ax.plot(val_steps, val_losses, "--o", color=line.get_color(), markersize=3, label=f"{label} (val)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, format="png")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: returns 0 on success, 1 on a user error (message on stderr)."""
+    parser = argparse.ArgumentParser(prog="meshloom report", description="Plot loss vs step for training runs.")
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run folder containing metrics.jsonl")
+    parser.add_argument("--out", type=Path, default=None, help="output PNG path")
+    args = parser.parse_args(argv)
+    try:
+        path = write_report(args.run_dirs, args.out)
+    except ValueError as e:
+        print(f"meshloom report: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

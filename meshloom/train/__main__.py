@@ -1,0 +1,5 @@
+import sys
+
+from meshloom.train.main import main
+
+sys.exit(main())

@@ -1,0 +1,27 @@
+"""`meshloom train`: parse the config, run the trainer, turn user mistakes into one clear line."""
+
+from __future__ import annotations
+
+import sys
+
+from meshloom.config.loader import load_config
+from meshloom.parallel.distributed import shutdown_and_exit
+from meshloom.train.nonfinite import NonFiniteError
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    code = 0
+    try:
+        config = load_config(argv)
+        from meshloom.train.trainer import Trainer  # after config parsing so --help and typos answer fast
+
+        Trainer(config).train()
+    except ValueError as err:  # user mistakes (ConfigError included) name the setting and the fix
+        print(f"meshloom: error: {err}", file=sys.stderr)
+        code = 2
+    except NonFiniteError as err:
+        print(f"meshloom: {err}", file=sys.stderr)
+        code = 1
+    shutdown_and_exit(code)  # returns only when no process group was started
+    return code

@@ -1,0 +1,239 @@
+"""The training loop. Each concern it touches lives in its own module; this file only wires them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from meshloom.config.loader import ConfigError, to_dict
+from meshloom.config.schema import Config
+from meshloom.data.build import DataBundle, build_data, check_data_config
+from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.observe.logging import MetricLogger
+from meshloom.parallel.dims import ParallelDims
+from meshloom.parallel.distributed import init_distributed, rank, share_error
+from meshloom.parallel.grad_clip import clip_grad_norm_
+from meshloom.parallel.tensor import local_value, loss_parallel_context
+from meshloom.observe.metrics import Throughput, flops_per_token, peak_flops_per_second, peak_memory_bytes
+from meshloom.train.loss import cross_entropy_loss
+from meshloom.train.lr import build_lr_scheduler
+from meshloom.train.model_setup import build_model
+from meshloom.train.nonfinite import NonFiniteError, drop_gradients, is_finite, write_dump
+from meshloom.train.optim import build_optimizer
+from meshloom.train.runtime import seed_everything, select_device
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+    sample_ids: list[int]
+
+
+class Trainer:
+    def __init__(self, config: Config):
+        self.config = config
+        tc = config.training
+        self.run_dir = Path(config.job.dump_folder)
+
+        # Cheap checks first: nothing heavy is built until the whole setup is known to be valid.
+        spec = get_model_spec(config.model.name)
+        self.model_args = get_model_args(config.model.name, config.model.flavor)
+        if tc.seq_len > self.model_args.max_seq_len:
+            raise ConfigError(
+                f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len="
+                f"{self.model_args.max_seq_len}; lower training.seq_len"
+            )
+        check_data_config(config.data)
+        self.device = select_device(tc.device)
+        self.world_size = init_distributed(self.device)
+        self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
+        a = self.model_args
+        self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
+        for name in ("pp", "cp"):
+            if getattr(self.dims, name) > 1:
+                raise ConfigError(f"parallelism.{name} > 1 is not available in this version; set {name} = 1")
+        if self.dims.is_distributed:
+            self.dims.build_mesh(self.device.type)
+            dp_mesh = self.dims.mesh("dp")
+            self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+        else:
+            self.dp_rank, self.dp_size = 0, 1
+        self.grad_accum_steps = self._grad_accum_steps()
+
+        seed_everything(tc.seed, tc.deterministic)
+        self.data = self._build_data()
+        if self.data.tokenizer.vocab_size > a.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but the {config.model.flavor} model's "
+                f"vocab_size is {a.vocab_size}; lower data.vocab_size or pick a larger model.flavor"
+            )
+        self.model = build_model(spec, a, self.dims, config, self.device)
+        self.fsdp = isinstance(self.model, FSDPModule)
+        self.loss_parallel = self.dims.tp > 1 and config.parallelism.loss_parallel
+
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, tc.steps)
+        self.step = 0
+
+        self.tokens_per_step = tc.seq_len * tc.local_batch_size * self.grad_accum_steps * self.dp_size
+        self.throughput = Throughput(
+            flops_per_token(
+                self.model.num_params(exclude_embedding=True),
+                self.model_args.n_layers,
+                self.model_args.n_heads,
+                self.model_args.head_dim,
+                tc.seq_len,
+            ),
+            peak_flops_per_second(self.device, self._compute_dtype(), config.metrics.peak_tflops or None),
+            num_devices=self.world_size,
+        )
+        self.rank = rank()
+        self.logger = MetricLogger(
+            self.run_dir, tc.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar, self.rank
+        )
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=1))
+
+    def _build_data(self) -> DataBundle:
+        """Rank 0 fills the tokenizer and token caches first, so the other ranks only read them."""
+        tc = self.config.training
+        build = lambda: build_data(
+            self.config.data, tc.seq_len, tc.local_batch_size, self.dp_rank, self.dp_size, tc.seed, self.config.validation.enable
+        )
+        if rank() == 0:
+            try:
+                data = build()
+            except ValueError as err:
+                share_error(str(err))  # the other ranks raise it too instead of waiting forever
+                raise
+            share_error(None)
+            return data
+        if (message := share_error(None)) is not None:
+            raise ConfigError(message)
+        return build()
+
+    def _grad_accum_steps(self) -> int:
+        tc = self.config.training
+        per_microbatch = tc.local_batch_size * self.dp_size
+        global_batch = per_microbatch if tc.global_batch_size == -1 else tc.global_batch_size
+        if global_batch % per_microbatch:
+            raise ConfigError(
+                f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x data-parallel "
+                f"degree = {tc.local_batch_size} x {self.dp_size}; change one of them"
+            )
+        return global_batch // per_microbatch
+
+    def _compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.config.training.mixed_precision == "bf16" else torch.float32
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # Under FSDP the MixedPrecisionPolicy casts parameters instead.
+        if self.config.training.mixed_precision == "bf16" and not self.fsdp:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(inputs.to(self.device))
+        return cross_entropy_loss(logits, labels.to(self.device))
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over `grad_accum_steps` microbatches."""
+        self.model.train()
+        total_loss = torch.zeros((), device=self.device)
+        sample_ids: list[int] = []
+        for micro in range(self.grad_accum_steps):
+            batch = self.data.train.next_batch()
+            sample_ids += batch.sample_ids.tolist()
+            if self.fsdp:
+                # Reduce gradients once per step, not once per microbatch.
+                self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
+            with loss_parallel_context(self.loss_parallel):
+                loss = self.forward_loss(batch.inputs, batch.labels) / self.grad_accum_steps
+                loss.backward()
+            total_loss += local_value(loss.detach())
+        if self.dims.is_distributed:
+            # Each data-parallel rank saw different samples: report the global mean.
+            dist.all_reduce(total_loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
+
+        max_norm = self.config.training.max_norm or float("inf")
+        grad_norm = float(clip_grad_norm_(self.model.parameters(), max_norm))
+        loss_value = float(total_loss)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.step += 1
+
+        skipped = False
+        if not is_finite(loss_value, grad_norm):
+            if self.config.training.nonfinite == "halt":
+                dump = write_dump(self.run_dir, self.step, loss_value, grad_norm, self.model, sample_ids)
+                raise NonFiniteError(f"non-finite loss {loss_value} or grad norm {grad_norm} at step {self.step}; diagnostics in {dump}")
+            drop_gradients(self.model)
+            skipped = True
+        else:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_value, grad_norm, lr, skipped, sample_ids)
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        loader = self.data.validation
+        if loader is None or not self.config.validation.enable:
+            return None
+        self.model.eval()
+        losses = []
+        for _ in range(self.config.validation.steps):
+            batch = loader.next_batch()
+            with loss_parallel_context(self.loss_parallel):
+                loss = self.forward_loss(batch.inputs, batch.labels)
+            loss = local_value(loss)
+            if self.dims.is_distributed:
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
+            losses.append(float(loss))
+        # Every evaluation sees the same held-out batches, so values are comparable over time.
+        loader.load_state_dict({**loader.state_dict(), "consumed": 0})
+        return sum(losses) / len(losses)
+
+    def _should_log(self) -> bool:
+        return self.step == 1 or self.step % self.config.metrics.log_freq == 0 or self.step == self.config.training.steps
+
+    def _should_validate(self) -> bool:
+        freq = self.config.validation.freq
+        return self.step == self.config.training.steps or (freq > 0 and self.step % freq == 0)
+
+    def train(self) -> list[float]:
+        """Run to `training.steps`; returns the per-step losses."""
+        losses = []
+        self.throughput.reset()
+        while self.step < self.config.training.steps:
+            result = self.train_step()
+            losses.append(result.loss)
+            self.throughput.update(self.tokens_per_step)
+            self.logger.advance()
+            metrics: dict[str, float] = {}
+            if self._should_validate() and (val_loss := self.validate()) is not None:
+                metrics["val_loss"] = val_loss
+            if self._should_log():
+                metrics.update(
+                    loss=result.loss,
+                    grad_norm=result.grad_norm,
+                    lr=result.lr,
+                    **self.throughput.report().as_metrics(),
+                    memory_gib=peak_memory_bytes(self.device) / 2**30,
+                )
+                if result.skipped:
+                    metrics["skipped_step"] = 1.0
+            if metrics:
+                self.logger.log(self.step, metrics)
+        self.logger.close()
+        return losses
