@@ -74,15 +74,18 @@ class Layout:
 
     @property
     def tolerance(self) -> float:
-        return BF16_TOLERANCE if self.settings.get("mixed_precision") == "bf16" else FP32_TOLERANCE
+        bf16 = "bf16" in (self.settings.get("mixed_precision"), self.settings.get("training.mixed_precision"))
+        return BF16_TOLERANCE if bf16 else FP32_TOLERANCE
 
     def overrides(self, global_batch: int = 8) -> list[str]:
+        """Bare keys are parallelism settings (mixed_precision is training's); dotted keys are any setting."""
         args = ["--parallelism.dp_shard", self.settings.get("dp_shard", "1")]
         for key, value in self.settings.items():
             if key == "dp_shard":
                 continue
-            section = "training" if key in TRAINING_KEYS else "parallelism"
-            args += [f"--{section}.{key}", value]
+            if "." not in key:
+                key = f"{'training' if key in TRAINING_KEYS else 'parallelism'}.{key}"
+            args += [f"--{key}", value]
         return args + ["--training.local_batch_size", str(global_batch // self.dp)]
 
 
