@@ -44,7 +44,7 @@ class TrainingConfig:
     """Tokens per sequence; at most the model flavour's max_seq_len."""
 
     max_norm: float = 1.0
-    """Gradient clipping threshold on the global L2 norm; 0 disables clipping (the norm is still logged)."""
+    """Gradient clipping threshold on the global L2 norm; 0 disables clipping (the norm is still logged and checked)."""
 
     seed: int = 42
     """Seed for weight init, data order and every RNG."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,4 +62,10 @@ def build_data(
         # A held-out split too small for one batch is skipped rather than fatal.
         if (len(val_tokens) - 1) // seq_len >= global_microbatch:
             validation = StatefulLoader(PackedDataset(val_tokens, seq_len), local_batch_size, dp_rank, dp_size, seed + 1)
+        else:
+            warnings.warn(
+                f"validation skipped: the held-out split has {len(val_tokens)} tokens, less than one batch; "
+                "raise data.validation_fraction",
+                stacklevel=2,
+            )
     return DataBundle(tokenizer, train, validation)

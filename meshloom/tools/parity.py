@@ -37,7 +37,7 @@ def base_overrides(steps: int, workdir: Path) -> list[str]:
         "--training.seq_len", "64",
         "--training.global_batch_size", "8",
         "--training.seed", "7",
-        "--optimizer.lr", "3e-3",
+        "--optimizer.lr", "1e-2",
         "--lr_scheduler.warmup_steps", "2",
         "--data.max_bytes", "400000",
         "--data.vocab_size", "512",

@@ -31,7 +31,7 @@ def grad_norms_by_parameter(model: nn.Module) -> dict[str, float]:
 
 def write_dump(run_dir: Path, step: int, loss: float, grad_norm: float, model: nn.Module, sample_ids: list[int]) -> Path:
     norms = grad_norms_by_parameter(model)
-    offending = sorted((name for name, n in norms.items() if not math.isfinite(n)))
+    offending = [name for name, n in norms.items() if not math.isfinite(n)]  # in model order
     dump = {
         "step": step,
         "loss": loss,

@@ -18,7 +18,7 @@ from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.observe.logging import MetricLogger
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import init_distributed, rank, share_error
-from meshloom.parallel.grad_clip import clip_grad_norm_
+from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
 from meshloom.parallel.tensor import local_value, loss_parallel_context
 from meshloom.observe.metrics import Throughput, flops_per_token, peak_flops_per_second, peak_memory_bytes
 from meshloom.train.loss import cross_entropy_loss
@@ -166,8 +166,8 @@ class Trainer:
             # Each data-parallel rank saw different samples: report the global mean.
             dist.all_reduce(total_loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
 
-        max_norm = self.config.training.max_norm or float("inf")
-        grad_norm = float(clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm_tensor = global_grad_norm(self.model.parameters())
+        grad_norm = float(grad_norm_tensor)
         loss_value = float(total_loss)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.step += 1
@@ -180,6 +180,8 @@ class Trainer:
             drop_gradients(self.model)
             skipped = True
         else:
+            if self.config.training.max_norm > 0:
+                clip_grads_(self.model.parameters(), self.config.training.max_norm, grad_norm_tensor)
             self.optimizer.step()
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

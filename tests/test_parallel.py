@@ -1,0 +1,78 @@
+"""Layout validation and the launcher: bad layouts fail clearly on every rank, good runs exit 0."""
+
+import subprocess
+
+import pytest
+
+from meshloom.config import ConfigError, ParallelismConfig
+from meshloom.parallel.dims import ParallelDims
+
+from conftest import REPO
+
+
+def dims(world_size: int, **degrees) -> ParallelDims:
+    return ParallelDims.from_config(ParallelismConfig(**degrees), world_size)
+
+
+def test_dp_shard_is_inferred_from_the_world_size():
+    assert dims(8, tp=2).dp_shard == 4
+    assert dims(8, dp_replicate=2, tp=2).dp_shard == 2
+    assert dims(1).dp_shard == 1
+    assert dims(4, dp_shard=4).fsdp_enabled
+
+
+@pytest.mark.parametrize(
+    "world, degrees, message",
+    [
+        (4, dict(dp_shard=2, tp=4), "= 8, but the world size is 4; launch 8 ranks (NPROC=8)"),
+        (8, dict(dp_shard=2, tp=2), "= 4, but the world size is 8; set parallelism.dp_shard = -1"),
+        (6, dict(tp=4), "does not divide the world size 6"),
+        (2, dict(tp=4), "launch a multiple of 4 ranks"),
+    ],
+)
+def test_degrees_that_do_not_fit_the_world(world, degrees, message):
+    with pytest.raises(ConfigError) as err:
+        dims(world, **degrees)
+    assert message in str(err.value)
+
+
+def test_model_shape_checks():
+    with pytest.raises(ConfigError, match=r"tp=3 does not divide the model's n_heads=8"):
+        dims(3, tp=3).check_model(n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=256, n_layers=2)
+    with pytest.raises(ConfigError, match="n_kv_heads=4"):
+        dims(8, tp=8).check_model(n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=256, n_layers=2)
+    with pytest.raises(ConfigError, match="vocab_size=511"):
+        dims(2, tp=2).check_model(n_heads=8, n_kv_heads=4, vocab_size=511, ffn_hidden_dim=256, n_layers=2)
+    with pytest.raises(ConfigError, match="ep > 1 needs a mixture-of-experts model"):
+        dims(2, ep=2, dp_shard=1, dp_replicate=2).check_model(8, 4, 512, 256, 2)
+    dims(4, tp=4).check_model(n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=256, n_layers=2)
+
+
+def _launch(nproc: int, overrides: list[str], env: dict, tmp_path) -> subprocess.CompletedProcess:
+    args = [
+        "--model.flavor", "tiny", "--training.steps", "3", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--data.max_bytes", "300000", "--data.vocab_size", "512",
+        "--data.cache_dir", str(tmp_path / "cache"), "--job.dump_folder", str(tmp_path / "run"),
+        "--metrics.progress_bar", "false", "--metrics.log_freq", "1", "--metrics.peak_tflops", "1",
+        "--validation.enable", "false", *overrides,
+    ]
+    env = {**env, "NPROC": str(nproc), "MESHLOOM_BIN": str(REPO / ".venv" / "bin")}
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "run_train.sh"), "configs/llama3_debug.toml", *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_launcher_runs_fsdp_and_exits_zero_then_refuses_bad_layouts(subprocess_env, tmp_path):
+    ok = _launch(2, [], subprocess_env, tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert ok.stdout.count("step 3 |") == 1  # only rank 0 logs
+
+    too_few = _launch(2, ["--parallelism.tp", "4"], subprocess_env, tmp_path)
+    assert too_few.returncode != 0
+    # every rank names the problem, before any model is built
+    assert too_few.stderr.count("launch a multiple of 4 ranks") >= 2, too_few.stderr[-3000:]
+
+    cuda_only = _launch(2, ["--training.device", "cuda"], subprocess_env, tmp_path)
+    assert cuda_only.returncode != 0
+    assert "training.device = 'cuda' but no CUDA device is visible" in cuda_only.stderr

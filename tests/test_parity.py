@@ -1,0 +1,56 @@
+"""Loss parity of every supported layout against one process (fp32: 1e-5; bf16: the documented looser bound).
+
+All layouts run in three torchrun launches (2, 4 and 8 ranks), so the suite pays the start-up cost once per size.
+"""
+
+import math
+import os
+
+import pytest
+
+from meshloom.tools.parity import BF16_TOLERANCE, FP32_TOLERANCE, compare, plot
+
+LAYOUTS = [
+    "dp_shard=2",
+    "tp=2",
+    "dp_shard=2,mixed_precision=bf16",
+    "dp_shard=4",
+    "dp_replicate=2,dp_shard=2",
+    "tp=4",
+    "dp_shard=2,tp=2",
+    "dp_shard=4,fsdp_cpu_offload=true",
+    "dp_replicate=2,dp_shard=2,tp=2",
+]
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    os.environ.pop("WORLD_SIZE", None)
+    workdir = tmp_path_factory.mktemp("parity")
+    reference, comparisons = compare(LAYOUTS, steps=10, workdir=workdir)
+    return workdir, reference, {c.layout.spec: c for c in comparisons}
+
+
+@pytest.mark.parametrize("spec", LAYOUTS)
+def test_layout_matches_one_process(parity, spec):
+    _, reference, comparisons = parity
+    c = comparisons[spec]
+    assert len(c.curve.losses) == 10
+    tolerance = BF16_TOLERANCE if "bf16" in spec else FP32_TOLERANCE
+    assert c.max_loss_diff <= tolerance, (spec, reference.losses, c.curve.losses)
+    assert c.grad_norm_diff <= tolerance
+    assert c.ok
+
+
+def test_reference_learns_and_bf16_really_differs(parity):
+    _, reference, comparisons = parity
+    assert reference.losses[-1] < reference.losses[0] - 0.3
+    assert all(math.isfinite(x) for x in reference.losses)
+    # bf16 must actually change the numbers, otherwise its bound proves nothing
+    assert comparisons["dp_shard=2,mixed_precision=bf16"].max_loss_diff > 10 * FP32_TOLERANCE
+
+
+def test_comparison_plot_is_written(parity):
+    workdir, reference, comparisons = parity
+    out = plot(reference, list(comparisons.values()), workdir / "parity.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
