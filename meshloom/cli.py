@@ -12,6 +12,12 @@ def _train(argv: list[str]) -> int:
     return main(argv)
 
 
+def _prepare(argv: list[str]) -> int:
+    from meshloom.data.prepare import main
+
+    return main(argv)
+
+
 def _report(argv: list[str]) -> int:
     from meshloom.tools.report import main
 
@@ -26,6 +32,7 @@ def _parity(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "train a model from a TOML recipe plus --section.field overrides"),
+    "prepare": (_prepare, "tokenize text files or `datasets` data into memory-mapped token shards"),
     "report": (_report, "plot the loss curves of one or more run folders to a PNG"),
     "parity": (_parity, "compare parallel layouts' losses with a 1-process reference"),
 }

@@ -119,10 +119,35 @@ class DataConfig:
     """Vocabulary of the built-in BPE; must not exceed the model's vocab_size."""
 
     validation_fraction: float = 0.02
-    """Share of documents held out for validation (chosen by a hash of the document id)."""
+    """Share of documents held out for validation (chosen by a hash of the document id; in shards its index,
+    when streaming its text)."""
 
     cache_dir: str = ""
     """Where the trained tokenizer and token arrays are cached; empty = ~/.cache/meshloom."""
+
+    dataset: Literal["builtin", "shards", "streaming"] = "builtin"
+    """builtin: data.path (or the built-in corpus) tokenized in memory; shards: folders made by `meshloom prepare`
+    (data.shards); streaming: data.stream read with `datasets` streaming while training."""
+
+    shards: str = ""
+    """dataset=shards: prepared folders, comma-separated, each optionally weighted as FOLDER:WEIGHT (default 1)."""
+
+    sampling: Literal["document", "chunk"] = "document"
+    """dataset=shards: document = shuffle documents each epoch, then pack them; chunk = pack in stored order,
+    shuffle the seq_len windows."""
+
+    document_mask: bool = False
+    """Attention stays inside each packed document (block-diagonal causal mask)."""
+
+    stream: str = ""
+    """dataset=streaming: a .jsonl/.json/.parquet/.txt file, folder or glob read with `datasets` streaming, or hf:NAME."""
+
+    text_field: str = "text"
+    """Field holding a document's text in .jsonl/.parquet/`datasets` records (prepare and streaming)."""
+
+    bad_input: Literal["error", "skip"] = "error"
+    """A non-UTF-8 line, missing text field, empty document or one longer than a shard: error (stop, naming it)
+    or skip (drop and count it)."""
 
 
 @dataclass

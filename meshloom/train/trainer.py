@@ -142,9 +142,11 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Document ids (data.document_mask) go by keyword, and only when present.
+        masks = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
         with self._autocast():
-            logits = self.model(inputs.to(self.device))
+            logits = self.model(inputs.to(self.device), **masks)
         return cross_entropy_loss(logits, labels.to(self.device))
 
     def train_step(self) -> StepResult:
@@ -159,7 +161,7 @@ class Trainer:
                 # Reduce gradients once per step, not once per microbatch.
                 self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
             with loss_parallel_context(self.loss_parallel):
-                loss = self.forward_loss(batch.inputs, batch.labels) / self.grad_accum_steps
+                loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids) / self.grad_accum_steps
                 loss.backward()
             total_loss += local_value(loss.detach())
         if self.dims.is_distributed:
@@ -197,13 +199,13 @@ class Trainer:
         for _ in range(self.config.validation.steps):
             batch = loader.next_batch()
             with loss_parallel_context(self.loss_parallel):
-                loss = self.forward_loss(batch.inputs, batch.labels)
+                loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
             loss = local_value(loss)
             if self.dims.is_distributed:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
             losses.append(float(loss))
         # Every evaluation sees the same held-out batches, so values are comparable over time.
-        loader.load_state_dict({**loader.state_dict(), "consumed": 0})
+        loader.rewind()
         return sum(losses) / len(losses)
 
     def _should_log(self) -> bool:
