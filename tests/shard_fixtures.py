@@ -21,6 +21,21 @@ def document(i: int, words: int = 0) -> str:
     return " ".join(WORDS[(i * 7 + j * j) % len(WORDS)] for j in range(n)) + f" #{i}"
 
 
+class Numbered(Tokenizer):
+    """Encodes "N L" as L copies of N, so every token tells which document it came from."""
+
+    vocab_size, bos_id, eos_id, identity = 60_000, 0, 1, "numbered"
+
+    def encode(self, text: str) -> list[int]:
+        number, length = map(int, text.split()[:2])
+        return [number] * length
+
+
+def numbered_texts(count: int, first: int = 2) -> list[str]:
+    """Documents "N L" of 3 to 25 tokens, numbered from `first`."""
+    return [f"{first + i} {3 + (i * 7) % 23}" for i in range(count)]
+
+
 def tokenizer_json(folder: Path) -> Path:
     """A byte-level BPE tokenizer.json with <s> / </s>, trained in well under a second."""
     path = folder / "tokenizer.json"

@@ -18,24 +18,9 @@ from meshloom.data.shards import (
     held_out,
     parse_shards_setting,
 )
-from meshloom.data.tokenizer import Tokenizer
-from shard_fixtures import document, load_tokenizer, prepared, tokenizer_json
+from shard_fixtures import Numbered, load_tokenizer, numbered_texts, prepared, tokenizer_json
 
 SEQ = 16
-
-
-class Numbered(Tokenizer):
-    """Encodes "i" as [i, i, ...] so every token tells which document it came from."""
-
-    vocab_size, bos_id, eos_id, identity = 60_000, 0, 1, "numbered"
-
-    def encode(self, text: str) -> list[int]:
-        number, length = map(int, text.split())
-        return [number] * length
-
-
-def numbered_texts(count: int, first: int = 2) -> list[str]:
-    return [f"{first + i} {3 + (i * 7) % 23}" for i in range(count)]
 
 
 @pytest.fixture(scope="module")

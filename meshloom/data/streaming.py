@@ -8,6 +8,8 @@ token, like the other datasets.
 
 Files are read with the `datasets` json, parquet and text builders (a .txt file is one document).
 Undecodable bytes are read as U+FFFD, so a document containing U+FFFD counts as non-UTF-8 input.
+The json builder takes its fields from the first file: a record may lack the text field, but a
+later file with fields the first lacks stops with an error (prepare has no such limit).
 
 State, per rank: the `datasets` state before the document where the next window starts, the token
 offset in that document, the epoch and the skip counts. Resuming reopens the stream at that
@@ -148,7 +150,13 @@ class StreamingLoader:
                 self._iterator, self._read, self._found_in_epoch = None, 0, False
                 continue
             except Exception as err:  # datasets and pyarrow raise their own types for unreadable input
-                raise ValueError(f"data.stream: reading {self.spec} failed after record {self._read} of this rank: {err}") from err
+                hint = ""
+                if type(err).__name__ == "CastError":
+                    hint = (
+                        "; the `datasets` json builder needs the fields of the first file in every file "
+                        "(`meshloom prepare` reads each line on its own)"
+                    )
+                raise ValueError(f"data.stream: reading {self.spec} failed after record {self._read} of this rank: {err}{hint}") from err
             where = f"data.stream {self.spec}: record {self._read} of rank {self.dp_rank}'s part, epoch {self.epoch}"
             self._read += 1
             text, why = text_of(record, self.text_field)
