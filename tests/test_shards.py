@@ -15,6 +15,7 @@ from meshloom.data.shards import (
     ShardLoader,
     ShardSource,
     build_shard_loaders,
+    check_shard_folders,
     held_out,
     parse_shards_setting,
 )
@@ -131,6 +132,14 @@ def test_mixing_realizes_weights_exactly_per_block():
         MixSchedule([1.0, 0.0001], seed=0)
 
 
+def test_missing_or_unfinished_folders_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"data\.shards: folder .*nope not found; make it with `meshloom prepare"):
+        check_shard_folders(f"{tmp_path / 'nope'}:2")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty has no meta\.json; make the folder with `meshloom prepare"):
+        check_shard_folders(str(tmp_path / "empty"))
+
+
 def test_shards_setting_parses_weights():
     assert parse_shards_setting("a, b:3 ,c:0.5") == [("a", 1.0), ("b", 3.0), ("c", 0.5)]
     assert parse_shards_setting("dir:with:colons") == [("dir:with:colons", 1.0)]
@@ -154,18 +163,18 @@ def _global_batch(ranks: list[ShardLoader]) -> list[bytes]:
 
 @pytest.mark.parametrize("sampling", ["document", "chunk"])
 def test_dp_ranks_split_the_global_batch_and_resume_under_another_degree(folders, sampling):
-    (reference,), _ = _loaders(folders, dp=1, local=1, sampling=sampling)
+    (reference,), _ = _loaders(folders, dp=1, local=1, sampling=sampling, held=0.0)
     total = 120  # about two epochs of the smaller source
     stream = [reference.next_batch().inputs[0].numpy().tobytes() for _ in range(total)]
 
-    ranks, _ = _loaders(folders, dp=3, local=2, sampling=sampling)
+    ranks, _ = _loaders(folders, dp=3, local=2, sampling=sampling, held=0.0)
     seen = []
     for _ in range(7):
         seen += _global_batch(ranks)
     state = ranks[0].state_dict()
     assert all(r.state_dict() == state for r in ranks) and state["consumed"] == 42
 
-    resumed, _ = _loaders(folders, dp=2, local=4, seed=999, sampling=sampling)  # the seed comes from the state
+    resumed, _ = _loaders(folders, dp=2, local=4, seed=999, sampling=sampling, held=0.0)  # the seed comes from the state
     for loader in resumed:
         loader.load_state_dict(state)
     while len(seen) + 8 <= total:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,7 +155,8 @@ class ShardSource:
 
     def fingerprint(self) -> dict[str, Any]:
         content = hashlib.sha256(json.dumps(self.shards.meta["shards"], sort_keys=True).encode()).hexdigest()[:16]
-        return {"folder": str(self.shards.folder), "content": content, "documents": len(self.documents), "samples": self.num_samples}
+        # Content, not path: a folder copied elsewhere still resumes.
+        return {"content": content, "documents": len(self.documents), "samples": self.num_samples}
 
 
 class ShardLoader(GlobalOrderLoader):
@@ -254,4 +256,10 @@ def build_shard_loaders(
     # A held-out split too small for one global batch is skipped rather than fatal (as for the built-in corpus).
     if val and sum(s.num_samples for s in val) >= local_batch_size * dp_size:
         validation = ShardLoader(val, val_weights, seed + 1, local_batch_size, dp_rank, dp_size)
+    elif validation_fraction > 0:
+        warnings.warn(
+            f"validation skipped: the held-out documents of data.shards make {sum(s.num_samples for s in val)} "
+            "samples, less than one batch; raise data.validation_fraction",
+            stacklevel=2,
+        )
     return train_loader, validation
