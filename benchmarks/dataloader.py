@@ -19,14 +19,11 @@ import sysconfig
 import time
 from pathlib import Path
 
-import torch
-
-from meshloom.config import load_config
 from meshloom.config.schema import DataConfig
-from meshloom.data.build import run_tokenizer
 from meshloom.data.prepare import PrepareOptions, prepare
-from meshloom.data.shards import build_shard_loaders
-from meshloom.train.trainer import Trainer
+
+# torch and the trainer are imported inside functions: prepare's worker processes re-import this script,
+# and should start as light as they do under `meshloom prepare`.
 
 LOADER_TARGET = 5e6
 RATIO_TARGET = 50
@@ -62,6 +59,8 @@ def time_prepare(corpus: Path, out: Path, data: DataConfig, tokenizer, workers: 
 
 
 def time_loader(folders: str, sampling: str, mask: bool, seq_len: int, batch: int, seconds: float) -> float:
+    from meshloom.data.shards import build_shard_loaders
+
     loader, _ = build_shard_loaders(folders, sampling, 0.0, mask, seq_len, batch, 0, 1, 0, lambda s: None)
     loader.next_batch()  # first epoch's permutation and packing
     tokens, start = 0, time.perf_counter()
@@ -73,6 +72,9 @@ def time_loader(folders: str, sampling: str, mask: bool, seq_len: int, batch: in
 
 
 def trainer_tokens_per_second(folder: Path, data: DataConfig, steps: int) -> float:
+    from meshloom.config import load_config
+    from meshloom.train.trainer import Trainer
+
     trainer = Trainer(load_config([
         "--config", "configs/llama3_debug.toml", "--training.steps", str(steps + 2),
         "--data.dataset", "shards", "--data.shards", str(folder), "--data.cache_dir", data.cache_dir,
@@ -97,6 +99,10 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     # One core per tokenizing process, so "N workers" means N cores (tokenizers would otherwise use them all).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+    import torch
+
+    from meshloom.data.build import run_tokenizer
 
     data = DataConfig(cache_dir=str(args.workdir / "cache"))  # the debug run's [data] settings
     tokenizer = run_tokenizer(data)

@@ -148,7 +148,7 @@ class Batch:
 
 def batch_of(windows: list[Window], sample_ids: list[int]) -> Batch:
     """Stack windows of seq_len+1 tokens into (inputs, labels) shifted by one."""
-    data = torch.from_numpy(np.stack([w.tokens for w in windows]).astype(np.int64))
+    data = torch.from_numpy(np.stack([w.tokens for w in windows], dtype=np.int64))
     document_ids = None
     if windows[0].document_ids is not None:
         document_ids = torch.from_numpy(np.stack([w.document_ids[:-1] for w in windows]))

@@ -91,7 +91,7 @@ class PackedDocuments:
     def window(self, i: int, with_ids: bool) -> Window:
         a = i * self.seq_len
         b = a + self.seq_len + 1
-        j = int(np.searchsorted(self.ends, a, side="right"))  # the document holding token a
+        j = int(self.ends.searchsorted(a, side="right"))  # the document holding token a
         pieces = []
         while a < b:
             end, length = int(self.ends[j]), int(self.lengths[j])
@@ -102,7 +102,7 @@ class PackedDocuments:
         tokens = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
         ids = None
         if with_ids:
-            ids = np.repeat(np.arange(len(pieces), dtype=np.int32), [len(p) for p in pieces])
+            ids = np.arange(len(pieces), dtype=np.int32).repeat([len(p) for p in pieces])
         return Window(tokens, ids)
 
 
