@@ -134,6 +134,13 @@ def test_resume_skips_finished_shards_and_repairs_a_damaged_one(tmp_path, tokeni
         run([source], out, tokenizer, shard_tokens=600)
 
 
+def test_an_output_folder_inside_the_input_folder_is_not_read_back(tmp_path, tokenizer):
+    write_jsonl(tmp_path / "in" / "a.jsonl", TEXTS[:5])
+    first = run([tmp_path / "in"], tmp_path / "in" / "shards", tokenizer)
+    assert first == run([tmp_path / "in"], tmp_path / "in" / "shards", tokenizer)  # meta.json is not an input
+    assert [s["name"] for s in first["sources"]] == [str(tmp_path / "in" / "a.jsonl")]
+
+
 BAD_LINES = {
     "non_utf8": (b'{"text": "caf\xe9"}\n', r"line 2: not valid UTF-8 \(invalid continuation byte at byte 13\)"),
     "invalid_json": (b'{"text": "unterminated\n', r"line 2: not valid JSON \(.*\)"),

@@ -97,8 +97,11 @@ def _is_saved_dataset(path: Path) -> bool:
     )
 
 
-def expand_inputs(inputs: list[str]) -> list[Source]:
-    """Inputs in the order given; a plain folder becomes its supported files, sorted by relative path."""
+def expand_inputs(inputs: list[str], exclude: Path | None = None) -> list[Source]:
+    """Inputs in the order given; a plain folder becomes its supported files, sorted by relative path.
+
+    Files under `exclude` (the output folder, when it sits inside an input folder) are left out.
+    """
     if not inputs:
         raise ValueError("prepare: give at least one input (.jsonl/.json/.parquet/.txt file, folder, or hf:NAME)")
     sources: list[Source] = []
@@ -112,7 +115,9 @@ def expand_inputs(inputs: list[str]) -> list[Source]:
             sources.append(Source(spec, "hf_disk", size))
         elif path.is_dir():
             files = sorted(
-                (p.relative_to(path).as_posix(), p) for p in path.rglob("*") if p.is_file() and p.suffix in FILE_SUFFIXES
+                (p.relative_to(path).as_posix(), p)
+                for p in path.rglob("*")
+                if p.is_file() and p.suffix in FILE_SUFFIXES and not (exclude and p.resolve().is_relative_to(exclude.resolve()))
             )
             if not files:
                 raise ValueError(f"prepare input {spec}: the folder holds no {'/'.join(FILE_SUFFIXES)} files")

@@ -219,7 +219,7 @@ def prepare(options: PrepareOptions, data: DataConfig, tokenizer: Tokenizer) -> 
     dtype = TOKEN_DTYPES[dtype_name]
     if tokenizer.vocab_size > np.iinfo(dtype).max + 1:
         raise ValueError(f"prepare: --dtype {dtype_name} cannot hold the tokenizer's {tokenizer.vocab_size} ids; use uint32 or auto")
-    sources = expand_inputs(options.inputs)
+    sources = expand_inputs(options.inputs, exclude=Path(options.output))
     settings = {
         "sources": [{"name": s.name, "kind": s.kind, "bytes": s.size} for s in sources],
         "tokenizer": {"identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
