@@ -219,6 +219,38 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enable: bool = False
+    """Save distributed checkpoints (model, optimizer, LR schedule, data position, RNG, step, config) while training."""
+
+    folder: str = "checkpoint"
+    """Checkpoint root, relative to job.dump_folder unless absolute; each save is a step-N subfolder."""
+
+    interval: int = 500
+    """Save every N steps, and after the last step."""
+
+    keep_last_k: int = 0
+    """Keep only the newest K complete checkpoints; 0 keeps all."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """disabled: the step waits for the whole save; async: it waits only for the copy to host memory while a
+    background thread writes the files."""
+
+    resume: bool = False
+    """Continue from the latest complete checkpoint under checkpoint.folder (an error if there is none)."""
+
+    fallback_on_corrupt: bool = False
+    """On resume, if the latest checkpoint cannot be read, load the previous complete one instead of stopping."""
+
+    initial_load_path: str = ""
+    """Weights to start from when not resuming: a meshloom checkpoint (seed checkpoint, another run) or a
+    Hugging Face model folder; optimizer, schedule and data start fresh."""
+
+    initial_load_format: Literal["dcp", "hf"] = "dcp"
+    """Format of initial_load_path: dcp (a meshloom checkpoint) or hf (config.json + safetensors)."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -229,3 +261,4 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

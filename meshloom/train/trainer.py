@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from meshloom.checkpoint.dcp import Checkpointer
 from meshloom.config.loader import ConfigError, to_dict
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
@@ -53,6 +54,7 @@ class Trainer:
                 f"{self.model_args.max_seq_len}; lower training.seq_len"
             )
         check_data_config(config.data)
+        self.checkpointer = Checkpointer(config, self.run_dir)
         self.device = select_device(tc.device)
         self.world_size = init_distributed(self.device)
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
@@ -85,6 +87,7 @@ class Trainer:
         self.step = 0
 
         self.tokens_per_step = tc.seq_len * tc.local_batch_size * self.grad_accum_steps * self.dp_size
+        self.checkpointer.load(self)  # resume, or an initial load of weights
         self.throughput = Throughput(
             flops_per_token(
                 self.model.num_params(exclude_embedding=True),
@@ -98,7 +101,7 @@ class Trainer:
         )
         self.rank = rank()
         self.logger = MetricLogger(
-            self.run_dir, tc.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar, self.rank
+            self.run_dir, tc.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar, self.rank, self.step
         )
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -239,5 +242,6 @@ class Trainer:
                     metrics["skipped_step"] = 1.0
             if metrics:
                 self.logger.log(self.step, metrics)
+            self.checkpointer.maybe_save()
         self.logger.close()
         return losses
