@@ -149,8 +149,8 @@ class Checkpointer:
 
     def _load_checkpoint(self, info: CheckpointInfo, weights_only: bool) -> None:
         start = time.perf_counter()
-        verify(info)
         metadata = read_index(info.path)
+        verify(info)
         expected = {name: t.shape for name, t in self.model_state.state_dict().items()}
         complete_model = getattr(getattr(self.trainer, "dims", None), "pp", 1) == 1
         check_model_shapes(info.path, metadata, expected, complete_model)

@@ -61,8 +61,8 @@ def read_model_args(info: CheckpointInfo) -> tuple[str, Any, dict[str, Any]]:
 
 def read_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a checkpoint, in one process, whatever layout saved it."""
-    verify(info)
     metadata = read_index(info.path)
+    verify(info)
     state = {
         key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from meshloom.checkpoint import folders
@@ -105,5 +106,10 @@ def load_state(state: dict[str, Any], path: Path) -> None:
     """dcp.load with safe reading; a failure to read is reported as corruption."""
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=not distributed())
+    except CheckpointException as err:  # a BaseException carrying each failed rank's exception
+        failed_rank, (cause, _) = next(iter(err.failures.items()))
+        raise CorruptCheckpointError(
+            f"checkpoint {path} cannot be read (rank {failed_rank}): {type(cause).__name__}: {cause}"
+        ) from None
     except Exception as err:
         raise CorruptCheckpointError(f"checkpoint {path} cannot be read: {type(err).__name__}: {err}") from err
