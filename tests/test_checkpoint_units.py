@@ -58,6 +58,9 @@ def test_checkpoint_holds_everything_and_commits_last(straight) -> None:
     assert marker["step"] == 5 and marker["kind"] == "full" and marker["world_size"] == 1
     assert 0 < marker["blocking_seconds"] <= marker["total_seconds"]
     assert set(marker["checksums"]) == {".metadata", "__0_0.distcp"}
+    train = {"train": {"step": 0, "tokens_seen": 0, "data": {"consumed": 0}}}
+    load_state(train, complete[1].path)
+    assert train["train"] == {"step": 10, "tokens_seen": 10 * 8 * 64, "data": {"consumed": 80}}
     # The marker is the newest file of the folder: it was written after everything else.
     newest = max(step5.path.iterdir(), key=lambda p: p.stat().st_mtime_ns)
     assert newest.name == folders.MARKER_FILE
@@ -151,7 +154,7 @@ def test_async_save_blocks_only_for_the_host_copy(workdir: Path, tmp_path: Path,
     write_data = FileSystemWriter.write_data
 
     def slow_write(self, *args, **kwargs):
-        time.sleep(1.0)  # a slow file system
+        time.sleep(1.5)  # a slow file system
         return write_data(self, *args, **kwargs)
 
     monkeypatch.setattr(FileSystemWriter, "write_data", slow_write)
@@ -160,13 +163,13 @@ def test_async_save_blocks_only_for_the_host_copy(workdir: Path, tmp_path: Path,
     saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     start = time.perf_counter()
     trainer.checkpointer.save(1)
-    assert time.perf_counter() - start < 0.8
+    assert time.perf_counter() - start < 1.0
     path = tmp_path / "run" / "checkpoint" / "step-1"
     assert not folders.is_complete(path)
     trainer.train_step()  # changes the parameters while the save is being written
     trainer.checkpointer.wait()
     marker = folders.read_marker(path)
-    assert marker["async"] and marker["blocking_seconds"] < 0.8 <= 1.0 <= marker["total_seconds"]
+    assert marker["async"] and marker["blocking_seconds"] < 1.0 and marker["total_seconds"] >= 1.5
 
     fresh = _short_trainer(tmp_path / "other", workdir, "--checkpoint.initial_load_path", str(path))
     for key, value in fresh.model.state_dict().items():

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from tqdm import tqdm
 
 from meshloom.checkpoint import folders
@@ -90,6 +91,7 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
         self.trainer: Any = None
 
     @staticmethod
@@ -208,7 +210,10 @@ class Checkpointer:
         if self.settings.async_mode == "async":
             group = self._checkpoint_group()
             # Returns once the state is copied to host memory; a DCP thread writes the files.
-            upload = dcp.async_save(state, storage_writer=FileSystemWriter(path), process_group=group, no_dist=not distributed())
+            upload = dcp.async_save(
+                state, storage_writer=FileSystemWriter(path), process_group=group, async_stager=self._host_stager(),
+                no_dist=not distributed(),
+            )  # fmt: skip
             blocking = time.perf_counter() - start
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshloom-checkpoint")
@@ -218,7 +223,18 @@ class Checkpointer:
                 self.wait()
         else:
             metadata = dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not distributed())
-            self._finish(step, path, metadata, None, start, time.perf_counter() - start)
+            self._finish(step, path, metadata, None, start, blocking=None)  # the step waits for all of it
+
+    def _host_stager(self) -> DefaultStager:
+        """One stager for the whole run: it keeps its host buffers (pinned on GPUs) and refills them at each save,
+        instead of allocating and faulting in a fresh copy of the state every time. Saves never overlap, so a
+        buffer is only refilled after the previous save finished writing it."""
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False)
+            )
+        return self._stager
 
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """Background saves talk on their own gloo group so they never interleave with training collectives."""
@@ -233,13 +249,14 @@ class Checkpointer:
             pending.finished.result()
 
     def _finish(self, step: int, path: Path, metadata: Metadata, group: dist.ProcessGroup | None, start: float,
-                blocking: float) -> None:  # fmt: skip
+                blocking: float | None) -> None:  # fmt: skip
         """Checksum the files, then rank 0 commits. DCP's coordinator (rank 0) returns from a save only after
         every rank reported its files written, and the checksum gather is one more rendezvous of all ranks."""
         checksums = compute_checksums(path, checkpoint_files(metadata), group)
         if rank() != 0:
             return
         total = time.perf_counter() - start
+        blocking = total if blocking is None else blocking
         folders.commit(path, {
             "step": step,
             "kind": "full",
