@@ -24,8 +24,9 @@ EXACT_LAYOUTS = {"1proc": "", "fsdp2": "dp_shard=2", "fsdp2_tp2": "dp_shard=2,tp
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CaseResult]:
+def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str, CaseResult]:
     w = tmp_path_factory.mktemp("resume")
+    (w / "cache").symlink_to(data_cache)  # the session's tokenizer and token caches
     out: dict[str, CaseResult] = {}
 
     def local(case: Case) -> None:

@@ -28,8 +28,10 @@ RESUME = CHECKPOINT + ["--checkpoint.resume", "true"]
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ckpt")
+def workdir(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    path = tmp_path_factory.mktemp("ckpt")
+    (path / "cache").symlink_to(data_cache)  # the session's tokenizer and token caches
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -172,3 +172,23 @@ def test_convert_rejects_unknown_source(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
     save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
     assert convert_main([str(tmp_path), str(tmp_path / "out")]) == 2  # no config.json
+
+
+def test_published_llama_configs_map_onto_our_flavors() -> None:
+    """Hugging Face config.json fields of Llama 3.1 8B and 3.2 1B (transformers 4 layout) give our flavours' shapes."""
+    from meshloom.models.registry import get_model_args
+
+    rope = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    common = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu"}  # fmt: skip
+    llama_8b = {**common, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "rope_scaling": {**rope, "factor": 8.0}, "tie_word_embeddings": False}  # fmt: skip
+    llama_1b = {**common, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "rope_scaling": {**rope, "factor": 32.0}, "tie_word_embeddings": True}  # fmt: skip
+    for flavor, config in (("8B", llama_8b), ("1B", llama_1b)):
+        assert llama_hf.shape_differences(get_model_args("llama3", flavor), llama_hf.args_from_hf_config(config)) == []
+    # Any intermediate size is representable, below or above 8/3 of the width.
+    for width, intermediate in ((64, 96), (64, 1000), (4096, 11008)):
+        args = llama_hf.args_from_hf_config({**llama_8b, "hidden_size": width, "num_attention_heads": 8,
+                                            "num_key_value_heads": 8, "intermediate_size": intermediate})  # fmt: skip
+        assert args.ffn_hidden_dim == intermediate

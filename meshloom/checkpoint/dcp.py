@@ -197,6 +197,7 @@ class Checkpointer:
             self.save(step, wait=last)
 
     def save(self, step: int, wait: bool = False) -> None:
+        start = time.perf_counter()  # training is blocked from here, including any wait for the previous save
         self.wait()  # one save in flight at a time
         path = folders.step_dir(self.root, step)
         if rank() == 0:
@@ -206,7 +207,6 @@ class Checkpointer:
         if distributed():
             dist.barrier()
         state = {**self.app_state, "rng": self.rng_state}
-        start = time.perf_counter()
         if self.settings.async_mode == "async":
             group = self._checkpoint_group()
             # Returns once the state is copied to host memory; a DCP thread writes the files.
