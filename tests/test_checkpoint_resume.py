@@ -7,6 +7,7 @@ torchrun launch per world size.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from hf_fixtures import llama_config, save_random_llama
 
 from meshloom.checkpoint import folders
 from meshloom.checkpoint.commands import seed_checkpoint
+from meshloom.data.builtin_corpus import load_documents
 from meshloom.tools.resume_cases import Case, CaseResult, launch, run_case
 
 TOLERANCE = 1e-5
@@ -21,6 +23,13 @@ SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
 ASYNC = SAVE + ["--checkpoint.async_mode", "async"]
 RESUME = SAVE + ["--checkpoint.resume", "true"]
 EXACT_LAYOUTS = {"1proc": "", "fsdp2": "dp_shard=2", "fsdp2_tp2": "dp_shard=2,tp=2"}
+
+
+def _write_stream(path: Path) -> Path:
+    """About 300 kB of built-in corpus documents as json lines."""
+    lines = [json.dumps({"text": text}) for _, text in load_documents(None, "", 300_000)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +63,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str
                 Case(f"{name}_stop", run_dir, layout, stop_after=5, overrides=ASYNC),
                 Case(f"{name}_resume", run_dir, layout, overrides=RESUME),
             ]
+    # A stream's position is per data-parallel rank: each rank must get its own back.
+    streaming = ["--data.dataset", "streaming", "--data.stream", str(_write_stream(w / "stream.jsonl"))]
+    cases += [
+        Case("stream_ref", str(w / "stream_ref"), "dp_shard=2", overrides=streaming),
+        Case("stream_stop", str(w / "stream"), "dp_shard=2", stop_after=5, overrides=streaming + ASYNC),
+        Case("stream_resume", str(w / "stream"), "dp_shard=2", overrides=streaming + RESUME),
+    ]
     cases += [
         Case("tp2_stop", str(w / "tp2"), "tp=2", stop_after=5, overrides=SAVE),
         Case("fsdp4_stop", str(w / "fsdp4"), "dp_shard=4", stop_after=5, overrides=SAVE),
@@ -74,7 +90,7 @@ def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("layout", list(EXACT_LAYOUTS))
+@pytest.mark.parametrize("layout", [*EXACT_LAYOUTS, "stream"])
 def test_stop_and_resume_is_bitwise_equal_to_training_straight(runs, layout: str) -> None:
     straight = runs["ref"] if layout == "1proc" else runs[f"{layout}_ref"]
     stop, resume = runs[f"{layout}_stop"], runs[f"{layout}_resume"]

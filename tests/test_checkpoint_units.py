@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import shutil
@@ -53,16 +54,17 @@ def test_checkpoint_holds_everything_and_commits_last(straight) -> None:
     step5 = complete[0]
     names = read_metadata(step5.path).state_dict_metadata
     for key in ("model.layers.1.attention.wq.weight", "optimizer.state.output.weight.exp_avg_sq", "train.step",
-                "train.tokens_seen", "train.data.consumed", "train.lr_scheduler.last_epoch", "rng.rank_0.torch"):  # fmt: skip
+                "train.tokens_seen", "train.lr_scheduler.last_epoch", "data.dp_rank_0", "rng.rank_0.torch"):  # fmt: skip
         assert key in names, key
     assert (step5.path / "config.json").is_file() and (step5.path / "model_args.json").is_file()
     marker = step5.marker
     assert marker["step"] == 5 and marker["kind"] == "full" and marker["world_size"] == 1
     assert 0 < marker["blocking_seconds"] <= marker["total_seconds"]
     assert set(marker["checksums"]) == {".metadata", "__0_0.distcp"}
-    train = {"train": {"step": 0, "tokens_seen": 0, "data": {"consumed": 0}}}
-    load_state(train, complete[1].path)
-    assert train["train"] == {"step": 10, "tokens_seen": 10 * 8 * 64, "data": {"consumed": 80}}
+    saved = {"train": {"step": 0, "tokens_seen": 0}, "data": {"dp_rank_0": ""}}
+    load_state(saved, complete[1].path)
+    assert saved["train"] == {"step": 10, "tokens_seen": 10 * 8 * 64}
+    assert json.loads(saved["data"]["dp_rank_0"])["consumed"] == 80
     # The marker is the newest file of the folder: it was written after everything else.
     newest = max(step5.path.iterdir(), key=lambda p: p.stat().st_mtime_ns)
     assert newest.name == folders.MARKER_FILE

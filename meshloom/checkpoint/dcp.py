@@ -37,7 +37,7 @@ from meshloom.checkpoint.reading import (
     read_index,
     verify,
 )
-from meshloom.checkpoint.state import ModelState, OptimizerState, RngState, TrainState
+from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, RngState, TrainState
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.llama3 import hf as llama_hf
@@ -138,6 +138,7 @@ class Checkpointer:
             "model": self.model_state,
             "optimizer": OptimizerState(self.model_parts, optimizers),
             "train": TrainState(trainer),
+            "data": DataState.of_rank(trainer.data.train, getattr(trainer, "dp_rank", 0)),
         }
         self.rng_state = RngState(rank())
         if self.settings.resume:
@@ -159,6 +160,7 @@ class Checkpointer:
         state: dict[str, Any] = {"model": self.model_state}
         if not weights_only:
             state.update(self.app_state)
+            state["data"] = self.app_state["data"].entry_to_load(metadata.state_dict_metadata)
             # Random streams belong to ranks: continue them only when every rank has its predecessor.
             if info.marker.get("world_size") == _world_size() and f"rng.{self.rng_state.key}.torch" in metadata.state_dict_metadata:
                 state["rng"] = self.rng_state

@@ -9,6 +9,7 @@ parameters across layouts too.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -67,7 +68,7 @@ class OptimizerState(Stateful):
 
 
 class TrainState(Stateful):
-    """Step, tokens seen, LR schedule and data position of a trainer (all global, equal on every rank)."""
+    """Step, tokens seen and LR schedule of a trainer (global, equal on every rank)."""
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
@@ -86,7 +87,6 @@ class TrainState(Stateful):
             "step": t.step,
             "tokens_seen": self.tokens_seen,
             "lr_scheduler": t.lr_scheduler.state_dict(),
-            "data": t.data.train.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -94,7 +94,34 @@ class TrainState(Stateful):
         t.step = self.step_at_load = int(state_dict["step"])
         self.tokens_at_load = int(state_dict["tokens_seen"])
         t.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
-        t.data.train.load_state_dict(state_dict["data"])
+
+
+class DataState(Stateful):
+    """The training loader's position, under this rank's data-parallel index.
+
+    Stored as JSON text: DCP only loads the keys the loading side already has, and a loader's state may change
+    shape between saves (a stream's position is None at first, a nested dict later). A loader whose state is
+    one global counter has the same state on every rank, so any entry restores it under any degree; a loader
+    with per-rank state (streaming) reads its own entry and checks the degree itself.
+    """
+
+    def __init__(self, loader: Any, key: str):
+        self.loader = loader
+        self.key = key
+
+    @classmethod
+    def of_rank(cls, loader: Any, dp_rank: int) -> DataState:
+        return cls(loader, f"dp_rank_{dp_rank}")
+
+    def entry_to_load(self, saved_keys: Any) -> DataState:
+        """This rank's entry when the checkpoint has it, else data-parallel rank 0's."""
+        return self if f"data.{self.key}" in saved_keys else DataState(self.loader, "dp_rank_0")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: json.dumps(self.loader.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(json.loads(state_dict[self.key]))
 
 
 class RngState(Stateful):
