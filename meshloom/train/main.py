@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     code = 0
     try:
+        if "--dry-run" in argv:
+            from meshloom.tools.dry_run import main as dry_run_main  # one process, fake process group
+
+            return dry_run_main(argv)
         config = load_config(argv)
         from meshloom.train.trainer import Trainer  # after config parsing so --help and typos answer fast
 

@@ -1,0 +1,142 @@
+"""`meshloom train --dry-run --world-size N ...`: one rank of an N-rank job, simulated in one CPU process.
+
+The process joins torch's fake process group (collectives return at once, nothing is sent) as rank 0 of N,
+builds the same mesh, builds the model on the meta device and applies the same parallelize function the
+trainer uses, so every parameter gets the shard shape it would have on that rank, with no memory behind it.
+Parameter bytes are counted from those shards; gradients and optimizer state follow from them, and
+activations, peak memory, FLOPs and communication come from the estimators in `meshloom.observe`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshloom.config.loader import ConfigError
+from meshloom.config.schema import Config
+from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.observe.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
+from meshloom.observe.memory_estimate import GIB, MemoryEstimate, estimate_memory
+from meshloom.parallel.dims import ParallelDims
+from meshloom.tools.layout_config import layout_from_config, precision_from_config
+
+
+@dataclass
+class DryRunReport:
+    world_size: int
+    layout: str
+    built_param_bytes: int
+    memory: MemoryEstimate
+    model_flops: float
+    executed_flops: float
+    comm_bytes: dict[str, float]
+    seconds: float
+
+    def format(self) -> str:
+        m = self.memory
+        lines = [
+            f"dry run: rank 0 of {self.world_size} ({self.layout}), simulated in {self.seconds:.1f} s",
+            f"  parameters (built shards)  {self.built_param_bytes / GIB:10.2f} GiB",
+            f"  parameters (estimate)      {m.params / GIB:10.2f} GiB",
+            f"  gradients                  {m.grads / GIB:10.2f} GiB",
+            f"  optimizer state            {m.optimizer / GIB:10.2f} GiB",
+            f"  gathered weights           {m.gathered / GIB:10.2f} GiB",
+            f"  activations                {m.activations / GIB:10.2f} GiB",
+            f"  transient                  {m.transient / GIB:10.2f} GiB",
+            f"  peak (busiest stage)       {m.peak / GIB:10.2f} GiB",
+            f"  FLOPs per step             {self.model_flops:10.3e} model, {self.executed_flops:.3e} executed",
+            "  communication per step (bytes sent by this rank):",
+        ]
+        lines += [f"    {dim:<13} {self.comm_bytes[dim] / GIB:10.2f} GiB" for dim in COMM_DIMS]
+        return "\n".join(lines)
+
+
+def _local_bytes(model: torch.nn.Module) -> int:
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += local.numel() * 4  # fp32 master weights
+    return total
+
+
+def dry_run(config: Config, world_size: int) -> DryRunReport:
+    """Build rank 0 of a `world_size`-rank run of `config` on meta tensors; report its memory, FLOPs and traffic."""
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be a positive number of ranks, got {world_size}")
+    start = time.perf_counter()
+    spec = get_model_spec(config.model.name)
+    args = get_model_args(config.model.name, config.model.flavor)
+    tc = config.training
+    if tc.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len={args.max_seq_len}")
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    dims.check_model(args.n_heads, args.kv_heads, args.vocab_size, args.ffn_hidden_dim, args.n_layers)
+    layout = layout_from_config(config, world_size)
+    precision = precision_from_config(config)
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        if dims.is_distributed:
+            dims.build_mesh("cpu")
+            model = _parallelize(spec, model, dims, config)
+        built = _local_bytes(model)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    memory = estimate_memory(args, layout, tc.seq_len, precision, config.parallelism.loss_parallel)
+    model_flops, executed_flops = step_flops(args, layout, tc.seq_len)
+    comm = step_comm_bytes(args, layout, tc.seq_len, precision)
+    return DryRunReport(
+        world_size, layout.describe(), built, memory, model_flops, executed_flops, comm, time.perf_counter() - start
+    )
+
+
+def _parallelize(spec, model, dims: ParallelDims, config: Config):
+    """The trainer's parallelize function; pipeline stages are carved out first where this version has them."""
+    if dims.pp > 1:
+        raise ConfigError("the dry run of parallelism.pp > 1 needs pipeline support; set pp = 1")
+    return spec.parallelize_fn(model, dims, config)
+
+
+def split_dry_run_args(argv: list[str]) -> tuple[int, list[str]]:
+    """Take `--dry-run` and `--world-size N` (or `--world-size=N`) out of a `meshloom train` command line."""
+    rest, world_size, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--dry-run":
+            pass
+        elif arg == "--world-size" or arg.startswith("--world-size="):
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in arg else 1
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--world-size needs a positive number of ranks, got {value!r}; e.g. --world-size 512")
+            world_size = int(value)
+        else:
+            rest.append(arg)
+        i += 1
+    if world_size is None:
+        raise ConfigError("--dry-run needs --world-size N: the number of ranks of the run to simulate")
+    return world_size, rest
+
+
+def main(argv: list[str]) -> int:
+    import sys
+
+    from meshloom.config.loader import load_config
+
+    try:
+        world_size, rest = split_dry_run_args(argv)
+        print(dry_run(load_config(rest), world_size).format())
+    except ValueError as err:
+        print(f"meshloom: error: {err}", file=sys.stderr)
+        return 2
+    return 0
