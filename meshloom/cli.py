@@ -30,6 +30,12 @@ def _parity(argv: list[str]) -> int:
     return main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from meshloom.tools.plan import main
+
+    return main(argv)
+
+
 def _seed_checkpoint(argv: list[str]) -> int:
     from meshloom.checkpoint.commands import seed_checkpoint_main
 
@@ -53,6 +59,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "prepare": (_prepare, "tokenize text files or `datasets` data into memory-mapped token shards"),
     "report": (_report, "plot the loss curves of one or more run folders to a PNG"),
     "parity": (_parity, "compare parallel layouts' losses with a 1-process reference"),
+    "plan": (_plan, "rank the layouts of a GPU cluster by estimated step time; write the best as TOML"),
     "seed-checkpoint": (_seed_checkpoint, "write a run's initial weights from one process (step-0 checkpoint)"),
     "convert": (_convert, "Hugging Face folder <-> meshloom checkpoint"),
     "export": (_export, "a checkpoint's weights as one safetensors file (bf16) for inference"),
