@@ -41,3 +41,7 @@ def validate(config: Config) -> None:
         value = getattr(par, name)
         _require(value >= 1, f"parallelism.{name} must be >= 1, got {value}")
     _require(par.dp_shard == -1 or par.dp_shard >= 1, f"parallelism.dp_shard must be >= 1 or -1 (infer), got {par.dp_shard}")
+    _require(config.model.n_layers >= 0, f"model.n_layers must be >= 0 (0 = the flavour's), got {config.model.n_layers}")
+    for name in ("microbatches", "stages_per_rank"):
+        value = getattr(config.pipeline, name)
+        _require(value >= 0, f"pipeline.{name} must be >= 0 (0 = automatic), got {value}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,13 @@ from meshloom.observe.logging import MetricLogger
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import init_distributed, rank, share_error
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
+from meshloom.parallel.pipeline import plan_pipeline
 from meshloom.parallel.tensor import local_value, loss_parallel_context
 from meshloom.observe.metrics import Throughput, flops_per_token, peak_flops_per_second, peak_memory_bytes
 from meshloom.train.loss import cross_entropy_loss
 from meshloom.train.lr import build_lr_scheduler
-from meshloom.train.model_setup import build_model
+from meshloom.train.model_setup import build_model, model_num_params
+from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
 from meshloom.train.nonfinite import NonFiniteError, drop_gradients, is_finite, write_dump
 from meshloom.train.optim import build_optimizer
 from meshloom.train.runtime import seed_everything, select_device
@@ -48,6 +51,8 @@ class Trainer:
         # Cheap checks first: nothing heavy is built until the whole setup is known to be valid.
         spec = get_model_spec(config.model.name)
         self.model_args = get_model_args(config.model.name, config.model.flavor)
+        if config.model.n_layers:
+            self.model_args = dataclasses.replace(self.model_args, n_layers=config.model.n_layers)
         if tc.seq_len > self.model_args.max_seq_len:
             raise ConfigError(
                 f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len="
@@ -60,9 +65,11 @@ class Trainer:
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         a = self.model_args
         self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
-        for name in ("pp", "cp"):
-            if getattr(self.dims, name) > 1:
-                raise ConfigError(f"parallelism.{name} > 1 is not available in this version; set {name} = 1")
+        if self.dims.cp > 1:
+            raise ConfigError("parallelism.cp > 1 is not available in this version; set cp = 1")
+        pipeline_plan = None
+        if self.dims.pp > 1:
+            pipeline_plan = plan_pipeline(config, self.dims, a)
         if self.dims.is_distributed:
             self.dims.build_mesh(self.device.type)
             dp_mesh = self.dims.mesh("dp")
@@ -78,8 +85,13 @@ class Trainer:
                 f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but the {config.model.flavor} model's "
                 f"vocab_size is {a.vocab_size}; lower data.vocab_size or pick a larger model.flavor"
             )
-        self.model = build_model(spec, a, self.dims, config, self.device)
-        self.fsdp = isinstance(self.model, FSDPModule)
+        self.pipeline: PipelineRunner | None = None
+        if pipeline_plan is not None:
+            self.pipeline = build_pipeline(spec, a, self.dims, config, self.device, pipeline_plan, self._compute_context)
+            self.model = self.pipeline.model
+        else:
+            self.model = build_model(spec, a, self.dims, config, self.device)
+        self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
         self.loss_parallel = self.dims.tp > 1 and config.parallelism.loss_parallel
 
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
@@ -90,7 +102,7 @@ class Trainer:
         self.checkpointer.load(self)  # resume, or an initial load of weights
         self.throughput = Throughput(
             flops_per_token(
-                self.model.num_params(exclude_embedding=True),
+                model_num_params(spec, a, exclude_embedding=True),
                 self.model_args.n_layers,
                 self.model_args.n_heads,
                 self.model_args.head_dim,
@@ -145,6 +157,13 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        """Where forward and backward run: autocast (bf16 without FSDP) and loss parallel (TP)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._autocast())
+        stack.enter_context(loss_parallel_context(self.loss_parallel))
+        return stack
+
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         # Document ids (data.document_mask) go by keyword, and only when present.
         masks = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
@@ -160,6 +179,9 @@ class Trainer:
         for micro in range(self.grad_accum_steps):
             batch = self.data.train.next_batch()
             sample_ids += batch.sample_ids.tolist()
+            if self.pipeline is not None:
+                total_loss += self.pipeline.train_step(batch.inputs, batch.labels, batch.document_ids, self.grad_accum_steps)
+                continue
             if self.fsdp:
                 # Reduce gradients once per step, not once per microbatch.
                 self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
@@ -171,7 +193,8 @@ class Trainer:
             # Each data-parallel rank saw different samples: report the global mean.
             dist.all_reduce(total_loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
 
-        grad_norm_tensor = global_grad_norm(self.model.parameters())
+        pp_mesh = self.dims.mesh("pp") if self.pipeline is not None else None
+        grad_norm_tensor = global_grad_norm(self.model.parameters(), pp_mesh)
         grad_norm = float(grad_norm_tensor)
         loss_value = float(total_loss)
         lr = self.lr_scheduler.get_last_lr()[0]
@@ -201,8 +224,11 @@ class Trainer:
         losses = []
         for _ in range(self.config.validation.steps):
             batch = loader.next_batch()
-            with loss_parallel_context(self.loss_parallel):
-                loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
+            if self.pipeline is not None:
+                loss = self.pipeline.eval_loss(batch.inputs, batch.labels, batch.document_ids)
+            else:
+                with loss_parallel_context(self.loss_parallel):
+                    loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
             loss = local_value(loss)
             if self.dims.is_distributed:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())

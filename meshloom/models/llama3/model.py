@@ -226,6 +226,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
+        # The RoPE tables are cut to length here, where the sequence is whole: between blocks it may be
+        # sequence-sharded (tensor parallel), as in the input of a later pipeline stage.
+        cos, sin = cos[:s], sin[:s]
         # -1 heads: under tensor parallel each rank sees only its local heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
@@ -391,11 +394,9 @@ class Transformer(nn.Module):
                 f"sequence length {seq_len} exceeds the model's max_seq_len "
                 f"{self.rope_cos.shape[0]}; shorten the sequences or raise max_seq_len"
             )
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin, document_ids=document_ids)
+            h = layer(h, self.rope_cos, self.rope_sin, document_ids=document_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
