@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -172,6 +173,7 @@ def test_every_schedule_and_3d_layout_matches_one_process(tmp_path):
 
     Four layers, so that two stages per rank fit; one torchrun launch per world size (2, 4 and 8 ranks).
     """
+    os.environ.pop("WORLD_SIZE", None)  # the reference runs in this process
     reference, comparisons = compare(
         PP2_LAYOUTS + MULTI_D_LAYOUTS, steps=10, workdir=tmp_path, common="model.n_layers=4,validation.enable=true,data.validation_fraction=0.2"
     )
