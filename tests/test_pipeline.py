@@ -168,14 +168,20 @@ MULTI_D_LAYOUTS = [
 ]
 
 
-def test_every_schedule_and_3d_layout_matches_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def parity_dir(tmp_path_factory):
+    """Shared by the parity tests, so the tokenizer and token caches are built once."""
+    os.environ.pop("WORLD_SIZE", None)  # the references run in this process
+    return tmp_path_factory.mktemp("pipeline-parity")
+
+
+def test_every_schedule_and_3d_layout_matches_one_process(parity_dir):
     """Per-step losses, the last gradient norm and the held-out loss after 10 steps, against one fp32 process.
 
     Four layers, so that two stages per rank fit; one torchrun launch per world size (2, 4 and 8 ranks).
     """
-    os.environ.pop("WORLD_SIZE", None)  # the reference runs in this process
     reference, comparisons = compare(
-        PP2_LAYOUTS + MULTI_D_LAYOUTS, steps=10, workdir=tmp_path, common="model.n_layers=4,validation.enable=true,data.validation_fraction=0.2"
+        PP2_LAYOUTS + MULTI_D_LAYOUTS, steps=10, workdir=parity_dir, common="model.n_layers=4,validation.enable=true,data.validation_fraction=0.2"
     )
     assert reference.validation is not None
     report = "\n".join(
@@ -189,3 +195,11 @@ def test_every_schedule_and_3d_layout_matches_one_process(tmp_path):
         if "training.local_batch_size" not in c.layout.settings:
             assert abs(c.curve.validation - reference.validation) <= FP32_TOLERANCE, report
     print(report)
+
+
+def test_document_masks_reach_every_stage(parity_dir):
+    """With data.document_mask every stage's attention needs the document ids, also across a V schedule."""
+    layouts = ["pp=2,pipeline.schedule=ZBVZeroBubble"]
+    common = "model.n_layers=4,data.document_mask=true"
+    reference, (c,) = compare(layouts, steps=10, workdir=parity_dir, common=common)
+    assert c.max_loss_diff <= FP32_TOLERANCE and c.grad_norm_diff <= FP32_TOLERANCE, (reference.losses, c.curve.losses)
