@@ -148,6 +148,19 @@ def test_stage_weights_equal_the_one_process_model():
     assert seen == set(whole)
 
 
+def test_sharded_stage_init_is_deterministic_and_differs_between_stages():
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(get_model_args("llama3", "tiny"), n_layers=4)
+    config = load_config(["--model.flavor", "tiny", "--parallelism.init", "sharded"])
+    p = plan_pipeline(config, dims(), args)
+    first, second = (build_pipeline_stages(spec, args, dims(), config, torch.device("cpu"), p, [0, 1]) for _ in range(2))
+    for a, b in zip(first, second):
+        for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+            assert torch.equal(x, y), name
+    wq = lambda stage, layer: stage.layers[str(layer)].attention.wq.weight
+    assert not torch.equal(wq(first[0], 0), wq(first[1], 2))
+
+
 # --------------------------------------------------------------------------- parity (torchrun, gloo)
 
 SCHEDULE_NAMES = list(SCHEDULES)

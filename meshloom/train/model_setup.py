@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.tensor import _random as dtensor_random
 
 from meshloom.config.schema import Config
 from meshloom.models.registry import ModelSpec
@@ -77,6 +78,8 @@ def build_pipeline_stages(
     if full_init:
         whole.to_empty(device=device)
         _init(whole, config.training.seed)
+    else:
+        _unsynced_dtensor_rng(dims)
     stages = []
     for stage in stage_ids:
         with torch.device("meta"):
@@ -92,6 +95,16 @@ def build_pipeline_stages(
             _init(module, config.training.seed + stage)
             stages.append(module)
     return stages
+
+
+def _unsynced_dtensor_rng(dims: ParallelDims) -> None:
+    """Create DTensor's RNG tracker now, without its default start-up sync: created lazily by the first random
+    DTensor op, it would copy rank 0's RNG state to every rank, and every stage would get the same weights."""
+    if not torch.distributed.is_initialized():
+        return
+    world = dims.mesh("world")
+    if dtensor_random.is_rng_supported_mesh(world):  # CUDA-like devices only; CPU has no tracker
+        dtensor_random.manual_seed(torch.initial_seed(), world)
 
 
 @torch.no_grad()
