@@ -13,7 +13,9 @@ from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.pipeline import SCHEDULES, carve_stage, plan_pipeline
 from meshloom.tools.parity import FP32_TOLERANCE, compare
+from meshloom.tools.resume_cases import Case, launch, run_case
 from meshloom.train.model_setup import build_model, build_pipeline_stages
+from meshloom.train.optim import OptimizerGroup
 
 
 def dims(pp: int = 2, dp_shard: int = 1, tp: int = 1) -> ParallelDims:
@@ -216,3 +218,48 @@ def test_document_masks_reach_every_stage(parity_dir):
     common = "model.n_layers=4,data.document_mask=true"
     reference, (c,) = compare(layouts, steps=10, workdir=parity_dir, common=common)
     assert c.max_loss_diff <= FP32_TOLERANCE and c.grad_norm_diff <= FP32_TOLERANCE, (reference.losses, c.curve.losses)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_optimizer_group_steps_all_and_its_scheduler_drives_every_learning_rate():
+    parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=1.0) for part in parts]
+    group = OptimizerGroup(optimizers)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(group, lambda step: 0.5**step)
+    before = [part.weight.detach().clone() for part in parts]
+    sum(part(torch.ones(1, 2)).sum() for part in parts).backward()
+    group.step()
+    assert all(not torch.equal(b, part.weight) for b, part in zip(before, parts))
+    # Loading a state dict gives an optimizer new group dicts; the scheduler must still reach them.
+    optimizers[1].load_state_dict(optimizers[1].state_dict())
+    scheduler.step()
+    assert [o.param_groups[0]["lr"] for o in optimizers] == [0.5, 0.5]
+    group.zero_grad()
+    assert all(p.grad is None for part in parts for p in part.parameters())
+
+SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+RESUME = SAVE + ["--checkpoint.resume", "true"]
+
+
+def test_checkpoints_move_between_pipeline_and_one_process(tmp_path, data_cache):
+    """Stages save under the model's own parameter names, so a checkpoint resumes under any layout, pp included."""
+    os.environ.pop("WORLD_SIZE", None)
+    w = tmp_path
+    (w / "cache").symlink_to(data_cache)
+    reference = run_case(Case("ref", str(w / "ref")), w).losses
+    one_stop = run_case(Case("one_stop", str(w / "one"), stop_after=5, overrides=SAVE), w)
+    cases = [
+        Case("pp_stop", str(w / "pp"), "pp=2", stop_after=5, overrides=SAVE),
+        Case("one_to_pp", str(w / "one"), "pp=2,pipeline.schedule=GPipe", overrides=RESUME),
+    ]
+    runs = launch(cases, w)
+    pp_to_one = run_case(Case("pp_to_one", str(w / "pp"), overrides=RESUME), w)
+    for name, losses, expected in [
+        ("1 process, steps 1-5", one_stop.losses, reference[:5]),
+        ("pp=2, steps 1-5", runs["pp_stop"].losses, reference[:5]),
+        ("1 process -> pp=2, steps 6-10", runs["one_to_pp"].losses, reference[5:]),
+        ("pp=2 -> 1 process, steps 6-10", pp_to_one.losses, reference[5:]),
+    ]:
+        assert len(losses) == len(expected) and max(abs(a - b) for a, b in zip(losses, expected)) <= FP32_TOLERANCE, name

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from meshloom.checkpoint.dcp import Checkpointer
 from meshloom.config.loader import ConfigError, to_dict
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
-from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.observe.logging import MetricLogger
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import init_distributed, rank, share_error
@@ -29,7 +28,7 @@ from meshloom.train.lr import build_lr_scheduler
 from meshloom.train.model_setup import build_model, model_num_params
 from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
 from meshloom.train.nonfinite import NonFiniteError, drop_gradients, is_finite, write_dump
-from meshloom.train.optim import build_optimizer
+from meshloom.train.optim import OptimizerGroup, build_optimizer
 from meshloom.train.runtime import seed_everything, select_device
 
 
@@ -50,9 +49,7 @@ class Trainer:
 
         # Cheap checks first: nothing heavy is built until the whole setup is known to be valid.
         spec = get_model_spec(config.model.name)
-        self.model_args = get_model_args(config.model.name, config.model.flavor)
-        if config.model.n_layers:
-            self.model_args = dataclasses.replace(self.model_args, n_layers=config.model.n_layers)
+        self.model_args = configured_model_args(config.model)
         if tc.seq_len > self.model_args.max_seq_len:
             raise ConfigError(
                 f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len="
@@ -94,7 +91,13 @@ class Trainer:
         self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
         self.loss_parallel = self.dims.tp > 1 and config.parallelism.loss_parallel
 
-        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        if self.pipeline is not None:
+            # One optimizer per stage: checkpoints pair each stage (model part) with its optimizer state.
+            self.model_parts = list(self.model)
+            self.optimizers = [build_optimizer(part, config.optimizer, self.device) for part in self.model_parts]
+            self.optimizer = OptimizerGroup(self.optimizers)
+        else:
+            self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, tc.steps)
         self.step = 0
 
