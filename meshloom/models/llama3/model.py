@@ -12,6 +12,10 @@ torch.distributed.  A few choices exist only to make that possible:
   entries deleted from ``layers``) to cut the model into pipeline stages.
 * ``init_weights()`` initialises every parameter and buffer explicitly, so a
   model built on the meta device can be materialised with ``to_empty()``.
+* ``Attention.core`` (the attention kernel) may be replaced, and
+  ``Transformer.forward`` takes optional RoPE ``positions``, so context
+  parallel can run attention over a sequence shard whose tokens are not
+  contiguous.
 """
 
 from __future__ import annotations
@@ -171,6 +175,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core over [b, heads, s, head_dim]: each query sees itself and earlier keys."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 for stability under bf16."""
 
@@ -198,6 +207,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Swappable from outside (context parallel puts a ring over the sequence shards here).
+        self.core = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -214,7 +225,7 @@ class Attention(nn.Module):
             # every SDPA backend and with sharded tensors.
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         out = out.transpose(1, 2).contiguous().view(b, s, -1)
         return self.wo(out)
 
@@ -349,8 +360,11 @@ class Transformer(nn.Module):
             if self.output is not None:
                 _trunc_normal(self.output.weight, args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage).
+
+        positions [s] (optional): the RoPE position of each token, for a
+        sequence shard whose tokens are not 0..s-1 (context parallel).
 
         Returns float32 logits [b, s, vocab], or hidden states when this stage
         has no output projection.
@@ -361,7 +375,10 @@ class Transformer(nn.Module):
                 f"sequence length {seq_len} exceeds the model's max_seq_len "
                 f"{self.rope_cos.shape[0]}; shorten the sequences or raise max_seq_len"
             )
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
 
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
