@@ -5,6 +5,9 @@ from __future__ import annotations
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
 
+# Attention mask kinds the context-parallel ring attention implements.
+CONTEXT_PARALLEL_MASKS = ("causal",)
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -41,3 +44,22 @@ def validate(config: Config) -> None:
         value = getattr(par, name)
         _require(value >= 1, f"parallelism.{name} must be >= 1, got {value}")
     _require(par.dp_shard == -1 or par.dp_shard >= 1, f"parallelism.dp_shard must be >= 1 or -1 (infer), got {par.dp_shard}")
+    if par.cp > 1:
+        _check_context_parallel(config)
+
+
+def _check_context_parallel(config: Config) -> None:
+    cp, seq_len, mask = config.parallelism.cp, config.training.seq_len, config.model.attention_mask
+    _require(
+        mask in CONTEXT_PARALLEL_MASKS,
+        f"parallelism.cp={cp} supports model.attention_mask in {list(CONTEXT_PARALLEL_MASKS)}, not {mask!r}; "
+        "set parallelism.cp = 1 or model.attention_mask = 'causal'",
+    )
+    balanced = config.parallelism.cp_load_balance
+    chunks = 2 * cp if balanced else cp
+    _require(
+        seq_len % chunks == 0,
+        f"training.seq_len={seq_len} must be divisible by {'2 x ' if balanced else ''}parallelism.cp = {chunks} "
+        f"({'load-balanced split' if balanced else 'contiguous split'}); use a multiple of {chunks}"
+        + (" or set parallelism.cp_load_balance = false" if balanced else ""),
+    )

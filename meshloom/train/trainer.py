@@ -16,6 +16,7 @@ from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.observe.logging import MetricLogger
+from meshloom.parallel.context import batch_sharder
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import init_distributed, rank, share_error
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
@@ -58,15 +59,16 @@ class Trainer:
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         a = self.model_args
         self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
-        for name in ("pp", "cp"):
-            if getattr(self.dims, name) > 1:
-                raise ConfigError(f"parallelism.{name} > 1 is not available in this version; set {name} = 1")
+        if self.dims.pp > 1:
+            raise ConfigError("parallelism.pp > 1 is not available in this version; set pp = 1")
         if self.dims.is_distributed:
             self.dims.build_mesh(self.device.type)
             dp_mesh = self.dims.mesh("dp")
             self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
         else:
             self.dp_rank, self.dp_size = 0, 1
+        # Context parallel: every rank of a cp group reads the same samples and keeps its shard of each sequence.
+        self.shard_batch = batch_sharder(self.dims, config.parallelism.cp_load_balance)
         self.grad_accum_steps = self._grad_accum_steps()
 
         seed_everything(tc.seed, tc.deterministic)
@@ -153,7 +155,7 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         sample_ids: list[int] = []
         for micro in range(self.grad_accum_steps):
-            batch = self.data.train.next_batch()
+            batch = self.shard_batch(self.data.train.next_batch())
             sample_ids += batch.sample_ids.tolist()
             if self.fsdp:
                 # Reduce gradients once per step, not once per microbatch.
@@ -195,7 +197,7 @@ class Trainer:
         self.model.eval()
         losses = []
         for _ in range(self.config.validation.steps):
-            batch = loader.next_batch()
+            batch = self.shard_batch(loader.next_batch())
             with loss_parallel_context(self.loss_parallel):
                 loss = self.forward_loss(batch.inputs, batch.labels)
             loss = local_value(loss)
