@@ -25,12 +25,14 @@ from meshloom.parallel.context import SequenceLayout, block_attention, block_att
 
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 2e-2
-# (name, load_balance, dtype, score tile elements): the tiny tile forces many query tiles per block.
+# (name, load_balance, dtype, score tile elements, inside bf16 autocast): the tiny tile forces many query tiles
+# per block; under autocast the ring must still compute float32 inputs in float32.
 CASES = [
-    ("balanced", True, torch.float32, context.SCORE_TILE_ELEMENTS),
-    ("unbalanced", False, torch.float32, context.SCORE_TILE_ELEMENTS),
-    ("balanced_tiled", True, torch.float32, 2 * 4 * 3 * 16),
-    ("balanced_bf16", True, torch.bfloat16, context.SCORE_TILE_ELEMENTS),
+    ("balanced", True, torch.float32, context.SCORE_TILE_ELEMENTS, False),
+    ("unbalanced", False, torch.float32, context.SCORE_TILE_ELEMENTS, False),
+    ("balanced_tiled", True, torch.float32, 2 * 4 * 3 * 16, False),
+    ("balanced_autocast", True, torch.float32, context.SCORE_TILE_ELEMENTS, True),
+    ("balanced_bf16", True, torch.bfloat16, context.SCORE_TILE_ELEMENTS, False),
 ]
 
 
@@ -148,7 +150,7 @@ def test_context_parallel_refuses_an_attention_mask_it_does_not_implement():
 # ---------------------------------------------------------------------------
 
 
-def _ring_case(layout: SequenceLayout, ring: context.Ring, dtype: torch.dtype) -> dict[str, float]:
+def _ring_case(layout: SequenceLayout, ring: context.Ring, dtype: torch.dtype, autocast: bool) -> dict[str, float]:
     """Max |ring - full attention| on this rank's shard for the output and the q/k/v gradients."""
     generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank
     q, k, v, grad = (torch.randn(2, 4, 64, 16, generator=generator).to(dtype) for _ in range(4))
@@ -158,8 +160,9 @@ def _ring_case(layout: SequenceLayout, ring: context.Ring, dtype: torch.dtype) -
 
     shard = lambda t: layout.shard(t, ring.rank, dim=2)
     local = [shard(t).requires_grad_() for t in (q, k, v)]
-    out = context.ring_attention(*local, ring, layout)
-    out.backward(shard(grad))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = context.ring_attention(*local, ring, layout)
+        out.backward(shard(grad))
     errors = {"out": (out.double() - shard(reference.detach())).abs().max()}
     for name, mine, ref in zip("qkv", local, full):
         errors[f"d{name}"] = (mine.grad.double() - shard(ref.grad)).abs().max()
@@ -188,9 +191,9 @@ def worker(out_file: Path) -> None:
     ring = context.Ring(dist.group.WORLD)
     results = {}
     default_tile = context.SCORE_TILE_ELEMENTS
-    for name, load_balance, dtype, tile in CASES:
+    for name, load_balance, dtype, tile, autocast in CASES:
         context.SCORE_TILE_ELEMENTS = tile
-        errors = _ring_case(SequenceLayout(ring.size, load_balance), ring, dtype)
+        errors = _ring_case(SequenceLayout(ring.size, load_balance), ring, dtype, autocast)
         context.SCORE_TILE_ELEMENTS = default_tile
         worst = torch.tensor(list(errors.values()), dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)

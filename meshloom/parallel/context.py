@@ -31,8 +31,8 @@ import torch.distributed as dist
 from meshloom.parallel.dims import ParallelDims
 
 # Upper bound on the elements of one score tile [b, heads, rows, keys]: long shards are processed a few query
-# rows at a time so the transient scores stay small (64 MiB in float32).
-SCORE_TILE_ELEMENTS = 2**24
+# rows at a time so the transient scores stay small (4 MiB in float32).
+SCORE_TILE_ELEMENTS = 2**20
 
 # Message tags: key/value blocks and gradient accumulators may be in flight between the same pair at once.
 _KV_TAG = 1
@@ -251,61 +251,75 @@ class Ring:
         return _InFlight(dist.batch_isend_irecv(ops), buffer)
 
 
+def _ring_forward(q, k, v, ring: Ring, layout: SequenceLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in q's dtype, float32 log-sum-exp) of this rank's queries over every rank's keys."""
+    shard_len = q.shape[2]
+    q32 = q.float()
+    out = torch.zeros_like(q32)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))  # one message per hop, in the input dtype
+    for step in range(ring.size):
+        # The next block travels while this one is computed.
+        incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
+        owner = (ring.rank - step) % ring.size
+        k32, v32 = kv[0].float(), kv[1].float()
+        for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
+            block_out, block_lse = block_attention(q32[:, :, rows], k32[:, :, keys], v32[:, :, keys], scale, causal)
+            merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        if incoming is not None:
+            kv = incoming.wait()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, layout: SequenceLayout, scale: float):
+    """(dq, dk, dv) of this rank's shard; each key/value block's gradient comes home from the ranks it visited."""
+    shard_len = q.shape[2]
+    q32, grad32 = q.float(), grad_out.float()
+    delta = (grad32 * out.float()).sum(-1)
+    dq = torch.zeros_like(q32)
+    kv = torch.stack((k, v))
+    grad_in_flight: _InFlight | None = None
+    for step in range(ring.size):
+        incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
+        owner = (ring.rank - step) % ring.size
+        k32, v32 = kv[0].float(), kv[1].float()
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
+            dq_block, dk_block, dv_block = block_attention_backward(
+                q32[:, :, rows], k32[:, :, keys], v32[:, :, keys],
+                grad32[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal,
+            )
+            dq[:, :, rows] += dq_block
+            dkv[0][:, :, keys] += dk_block
+            dkv[1][:, :, keys] += dv_block
+        if grad_in_flight is not None:
+            # The gradient this block collected on the ranks it visited before this one.
+            dkv += grad_in_flight.wait()
+        # Follow the block to its next rank; after the last step that rank is its owner.
+        grad_in_flight = ring.pass_on(dkv, _GRAD_TAG)
+        if incoming is not None:
+            kv = incoming.wait()
+    dkv = grad_in_flight.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
+    # Autocast is off inside: the partial results must stay float32 whatever the surrounding region asks for.
+
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, layout: SequenceLayout, scale: float):
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q, k, v, ring, layout, scale)
         ctx.ring, ctx.layout, ctx.scale = ring, layout, scale
-        shard_len = q.shape[2]
-        q32 = q.float()
-        out = torch.zeros_like(q32)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v))  # one message per hop, in the input dtype
-        for step in range(ring.size):
-            # The next block travels while this one is computed.
-            incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
-            owner = (ring.rank - step) % ring.size
-            k32, v32 = kv[0].float(), kv[1].float()
-            for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
-                block_out, block_lse = block_attention(q32[:, :, rows], k32[:, :, keys], v32[:, :, keys], scale, causal)
-                merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-            if incoming is not None:
-                kv = incoming.wait()
-        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, layout, scale = ctx.ring, ctx.layout, ctx.scale
-        shard_len = q.shape[2]
-        q32, grad32 = q.float(), grad_out.float()
-        delta = (grad32 * out.float()).sum(-1)
-        dq = torch.zeros_like(q32)
-        kv = torch.stack((k, v))
-        grad_in_flight: _InFlight | None = None
-        for step in range(ring.size):
-            incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
-            owner = (ring.rank - step) % ring.size
-            k32, v32 = kv[0].float(), kv[1].float()
-            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-            for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
-                dq_block, dk_block, dv_block = block_attention_backward(
-                    q32[:, :, rows], k32[:, :, keys], v32[:, :, keys],
-                    grad32[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal,
-                )
-                dq[:, :, rows] += dq_block
-                dkv[0][:, :, keys] += dk_block
-                dkv[1][:, :, keys] += dv_block
-            if grad_in_flight is not None:
-                # The gradient this block collected on the ranks it visited before this one.
-                dkv += grad_in_flight.wait()
-            # Follow the block to its next rank; after the last step that rank is its owner.
-            grad_in_flight = ring.pass_on(dkv, _GRAD_TAG)
-            if incoming is not None:
-                kv = incoming.wait()
-        dkv = grad_in_flight.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, ctx.ring, ctx.layout, ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def ring_attention(
