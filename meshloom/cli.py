@@ -12,6 +12,12 @@ def _train(argv: list[str]) -> int:
     return main(argv)
 
 
+def _prepare(argv: list[str]) -> int:
+    from meshloom.data.prepare import main
+
+    return main(argv)
+
+
 def _report(argv: list[str]) -> int:
     from meshloom.tools.report import main
 
@@ -24,10 +30,32 @@ def _parity(argv: list[str]) -> int:
     return main(argv)
 
 
+def _seed_checkpoint(argv: list[str]) -> int:
+    from meshloom.checkpoint.commands import seed_checkpoint_main
+
+    return seed_checkpoint_main(argv)
+
+
+def _convert(argv: list[str]) -> int:
+    from meshloom.checkpoint.commands import convert_main
+
+    return convert_main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from meshloom.checkpoint.commands import export_main
+
+    return export_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "train a model from a TOML recipe plus --section.field overrides"),
+    "prepare": (_prepare, "tokenize text files or `datasets` data into memory-mapped token shards"),
     "report": (_report, "plot the loss curves of one or more run folders to a PNG"),
     "parity": (_parity, "compare parallel layouts' losses with a 1-process reference"),
+    "seed-checkpoint": (_seed_checkpoint, "write a run's initial weights from one process (step-0 checkpoint)"),
+    "convert": (_convert, "Hugging Face folder <-> meshloom checkpoint"),
+    "export": (_export, "a checkpoint's weights as one safetensors file (bf16) for inference"),
 }
 
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshloom.config import Config, ConfigError, load_config
-from meshloom.config.validate import validate
+from meshloom.config import ConfigError, load_config
 from meshloom.models.llama3 import Transformer
 from meshloom.models.registry import get_model_args
 from meshloom.parallel import context
@@ -104,7 +103,7 @@ def test_model_rope_positions_select_the_shard_rows():
     # one layer whose attention returns its rotated queries: a token's output depends only on the token and
     # its position, so a shuffled shard with its positions gives the shuffled rows
     model.layers = torch.nn.ModuleDict({"0": model.layers["0"]})
-    model.layers["0"].attention.core = lambda q, k, v: q
+    model.layers["0"].attention.core = lambda q, k, v, document_ids=None: q
     order = torch.tensor([0, 1, 14, 15, 7, 3])
     assert torch.allclose(model(tokens[:, order], positions=order), model(tokens)[:, order], atol=1e-6)
     assert not torch.allclose(model(tokens[:, order]), model(tokens)[:, order], atol=1e-3)
@@ -136,13 +135,11 @@ def test_sequence_length_must_split_into_the_layout_chunks(argv, message):
 
 
 def test_context_parallel_refuses_an_attention_mask_it_does_not_implement():
-    config = Config()
-    config.parallelism.cp = 2
-    config.model.attention_mask = "document"  # a mask kind the ring does not implement
-    with pytest.raises(ConfigError, match="parallelism.cp=2 supports model.attention_mask in \\['causal'\\], not 'document'"):
-        validate(config)
-    config.parallelism.cp = 1
-    validate(config)
+    with pytest.raises(ConfigError) as err:
+        load_config(["--parallelism.cp", "2", "--training.seq_len", "64", "--data.document_mask", "true"])
+    assert "parallelism.cp=2 supports the causal attention mask only, not the document mask" in str(err.value)
+    assert "set parallelism.cp = 1 or data.document_mask = false" in str(err.value)
+    load_config(["--parallelism.cp", "1", "--data.document_mask", "true"])
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Layout validation and the launcher: bad layouts fail clearly on every rank, good runs exit 0."""
 
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +58,7 @@ def _launch(nproc: int, overrides: list[str], env: dict, tmp_path) -> subprocess
         "--metrics.progress_bar", "false", "--metrics.log_freq", "1", "--metrics.peak_tflops", "1",
         "--validation.enable", "false", *overrides,
     ]
-    env = {**env, "NPROC": str(nproc), "MESHLOOM_BIN": str(REPO / ".venv" / "bin")}
+    env = {**env, "NPROC": str(nproc), "MESHLOOM_BIN": str(Path(sys.executable).parent)}
     return subprocess.run(
         ["bash", str(REPO / "scripts" / "run_train.sh"), "configs/llama3_debug.toml", *args],
         env=env, capture_output=True, text=True, timeout=300,

@@ -27,9 +27,6 @@ class ModelConfig:
     flavor: str = "debug"
     """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B)."""
 
-    attention_mask: Literal["causal"] = "causal"
-    """Attention mask kind: causal (each token sees itself and earlier tokens of its sequence)."""
-
 
 @dataclass
 class TrainingConfig:
@@ -122,10 +119,35 @@ class DataConfig:
     """Vocabulary of the built-in BPE; must not exceed the model's vocab_size."""
 
     validation_fraction: float = 0.02
-    """Share of documents held out for validation (chosen by a hash of the document id)."""
+    """Share of documents held out for validation (chosen by a hash of the document id; in shards its index,
+    when streaming its text)."""
 
     cache_dir: str = ""
     """Where the trained tokenizer and token arrays are cached; empty = ~/.cache/meshloom."""
+
+    dataset: Literal["builtin", "shards", "streaming"] = "builtin"
+    """builtin: data.path (or the built-in corpus) tokenized in memory; shards: folders made by `meshloom prepare`
+    (data.shards); streaming: data.stream read with `datasets` streaming while training."""
+
+    shards: str = ""
+    """dataset=shards: prepared folders, comma-separated, each optionally weighted as FOLDER:WEIGHT (default 1)."""
+
+    sampling: Literal["document", "chunk"] = "document"
+    """dataset=shards: document = shuffle documents each epoch, then pack them; chunk = pack in stored order,
+    shuffle the seq_len windows."""
+
+    document_mask: bool = False
+    """Attention stays inside each packed document (block-diagonal causal mask)."""
+
+    stream: str = ""
+    """dataset=streaming: a .jsonl/.json/.parquet/.txt file, folder or glob read with `datasets` streaming, or hf:NAME."""
+
+    text_field: str = "text"
+    """Field holding a document's text in .jsonl/.parquet/`datasets` records (prepare and streaming)."""
+
+    bad_input: Literal["error", "skip"] = "error"
+    """A non-UTF-8 line, missing text field, empty document or one longer than a shard: error (stop, naming it)
+    or skip (drop and count it)."""
 
 
 @dataclass
@@ -201,6 +223,38 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enable: bool = False
+    """Save distributed checkpoints (model, optimizer, LR schedule, data position, RNG, step, config) while training."""
+
+    folder: str = "checkpoint"
+    """Checkpoint root, relative to job.dump_folder unless absolute; each save is a step-N subfolder."""
+
+    interval: int = 500
+    """Save every N steps, and after the last step."""
+
+    keep_last_k: int = 0
+    """Keep only the newest K complete checkpoints; 0 keeps all."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """disabled: the step waits for the whole save; async: it waits only for the copy to host memory while a
+    background thread writes the files."""
+
+    resume: bool = False
+    """Continue from the latest complete checkpoint under checkpoint.folder (an error if there is none)."""
+
+    fallback_on_corrupt: bool = False
+    """On resume, if the latest checkpoint cannot be read, load the previous complete one instead of stopping."""
+
+    initial_load_path: str = ""
+    """Weights to start from when not resuming: a meshloom checkpoint (seed checkpoint, another run) or a
+    Hugging Face model folder; optimizer, schedule and data start fresh."""
+
+    initial_load_format: Literal["dcp", "hf"] = "dcp"
+    """Format of initial_load_path: dcp (a meshloom checkpoint) or hf (config.json + safetensors)."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -211,3 +265,4 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

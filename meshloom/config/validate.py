@@ -5,8 +5,13 @@ from __future__ import annotations
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
 
-# Attention mask kinds the context-parallel ring attention implements.
+# Attention mask kinds the context-parallel ring attention implements (a document mask is not one yet).
 CONTEXT_PARALLEL_MASKS = ("causal",)
+
+
+def attention_mask_kind(config: Config) -> str:
+    """The attention mask a run asks for: "document" with data.document_mask, else "causal"."""
+    return "document" if config.data.document_mask else "causal"
 
 
 def _require(condition: bool, message: str) -> None:
@@ -49,11 +54,11 @@ def validate(config: Config) -> None:
 
 
 def _check_context_parallel(config: Config) -> None:
-    cp, seq_len, mask = config.parallelism.cp, config.training.seq_len, config.model.attention_mask
+    cp, seq_len, mask = config.parallelism.cp, config.training.seq_len, attention_mask_kind(config)
     _require(
         mask in CONTEXT_PARALLEL_MASKS,
-        f"parallelism.cp={cp} supports model.attention_mask in {list(CONTEXT_PARALLEL_MASKS)}, not {mask!r}; "
-        "set parallelism.cp = 1 or model.attention_mask = 'causal'",
+        f"parallelism.cp={cp} supports the {' and '.join(CONTEXT_PARALLEL_MASKS)} attention mask only, not the {mask} "
+        "mask that data.document_mask = true asks for; set parallelism.cp = 1 or data.document_mask = false",
     )
     balanced = config.parallelism.cp_load_balance
     chunks = 2 * cp if balanced else cp

@@ -1,4 +1,8 @@
-"""From `[data]` settings to a tokenizer and rank-sharded train/validation loaders."""
+"""From `[data]` settings to a tokenizer and rank-sharded train/validation loaders.
+
+data.dataset picks the kind: builtin (a folder or the built-in corpus, tokenized in memory),
+shards (folders made by `meshloom prepare`, see shards.py) or streaming (streaming.py).
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,34 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
 
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import DataConfig
-from meshloom.data.builtin_corpus import load_documents, split_documents
-from meshloom.data.loader import PackedDataset, StatefulLoader, tokenize_corpus
+from meshloom.data.builtin_corpus import Document, load_documents, split_documents
+from meshloom.data.loader import Batch, PackedDataset, StatefulLoader, tokenize_corpus
+from meshloom.data.shard_format import ShardSet
+from meshloom.data.shards import build_shard_loaders, check_shard_folders
+from meshloom.data.streaming import ReplayedLoader, StreamingLoader, stream_files
 from meshloom.data.tokenizer import Tokenizer, build_tokenizer
+
+
+class Loader(Protocol):
+    """What the trainer needs of a loader (every dataset kind provides it)."""
+
+    def next_batch(self) -> Batch: ...
+    def rewind(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
 
 
 @dataclass
 class DataBundle:
     tokenizer: Tokenizer
-    train: StatefulLoader
-    validation: StatefulLoader | None
+    train: Loader
+    validation: Loader | None
 
 
 def cache_dir(config: DataConfig) -> Path:
@@ -36,16 +55,76 @@ def check_data_config(config: DataConfig) -> None:
         )
     if config.path and not Path(config.path).is_dir():
         raise ConfigError(f"data.path: folder {config.path} not found; give a folder of text files, or leave it empty for the built-in corpus")
+    if config.dataset == "shards":
+        check_shard_folders(config.shards)
+    if config.dataset == "streaming":
+        if not config.stream:
+            raise ConfigError('data.stream is empty; with data.dataset = "streaming" give files, a folder, a glob or hf:NAME')
+        stream_files(config.stream)
+
+
+def _corpus_tokenizer(config: DataConfig, train_docs: list[Document]) -> Tokenizer:
+    return build_tokenizer(config.tokenizer, lambda: [text for _, text in train_docs], config.vocab_size, cache_dir(config))
+
+
+def run_tokenizer(config: DataConfig) -> Tokenizer:
+    """The tokenizer a run with these settings uses; `builtin` is trained on the data.path corpus's training split."""
+    if config.tokenizer != "builtin":
+        return build_tokenizer(config.tokenizer, [], config.vocab_size, cache_dir(config))
+    docs = load_documents(config.path or None, config.glob, config.max_bytes or None)
+    return _corpus_tokenizer(config, split_documents(docs, config.validation_fraction)[0])
 
 
 def build_data(
     config: DataConfig, seq_len: int, local_batch_size: int, dp_rank: int, dp_size: int, seed: int, with_validation: bool = True
 ) -> DataBundle:
+    if config.dataset == "builtin":
+        return _builtin_data(config, seq_len, local_batch_size, dp_rank, dp_size, seed, with_validation)
+    tokenizer = run_tokenizer(config)
+    if config.dataset == "shards":
+
+        def check_tokenizer(shards: ShardSet) -> None:
+            shards.check_tokenizer(tokenizer, config.tokenizer)
+
+        train, validation = build_shard_loaders(
+            config.shards, config.sampling, config.validation_fraction, config.document_mask,
+            seq_len, local_batch_size, dp_rank, dp_size, seed, check_tokenizer,
+        )
+        return DataBundle(tokenizer, train, validation if with_validation else None)
+
+    def stream(validation: bool) -> StreamingLoader:
+        return StreamingLoader(
+            config.stream, tokenizer, seq_len, local_batch_size, dp_rank, dp_size,
+            text_field=config.text_field, validation_fraction=config.validation_fraction, validation=validation,
+            bad_input=config.bad_input, document_mask=config.document_mask,
+        )
+
+    use_validation = with_validation and config.validation_fraction > 0
+    return DataBundle(tokenizer, stream(False), ReplayedLoader(stream(True)) if use_validation else None)
+
+
+def _document_starts(tokens: np.ndarray, tokenizer: Tokenizer) -> np.ndarray:
+    """Where documents start in a built-in token stream: at each bos, which never occurs inside a text."""
+    if tokenizer.bos_id == tokenizer.eos_id:
+        raise ConfigError(
+            f"data.document_mask: this tokenizer uses one id ({tokenizer.bos_id}) for bos and eos, so the built-in "
+            "dataset cannot find document starts; use data.dataset = \"shards\" (its index stores them)"
+        )
+    return np.flatnonzero(tokens == tokenizer.bos_id)
+
+
+def _builtin_data(
+    config: DataConfig, seq_len: int, local_batch_size: int, dp_rank: int, dp_size: int, seed: int, with_validation: bool
+) -> DataBundle:
     docs = load_documents(config.path or None, config.glob, config.max_bytes or None)
     train_docs, val_docs = split_documents(docs, config.validation_fraction)
     cache = cache_dir(config)
-    tokenizer = build_tokenizer(config.tokenizer, lambda: [text for _, text in train_docs], config.vocab_size, cache)
+    tokenizer = _corpus_tokenizer(config, train_docs)
     global_microbatch = local_batch_size * dp_size
+    mask = config.document_mask
+
+    def packed(tokens: np.ndarray) -> PackedDataset:
+        return PackedDataset(tokens, seq_len, _document_starts(tokens, tokenizer) if mask else None)
 
     train_tokens = tokenize_corpus(tokenizer, train_docs, cache)
     if (len(train_tokens) - 1) // seq_len < global_microbatch:
@@ -54,14 +133,14 @@ def build_data(
             f"one global microbatch ({local_batch_size} x {dp_size} ranks); add text under data.path, raise "
             "data.max_bytes, or lower training.seq_len"
         )
-    train = StatefulLoader(PackedDataset(train_tokens, seq_len), local_batch_size, dp_rank, dp_size, seed)
+    train = StatefulLoader(packed(train_tokens), local_batch_size, dp_rank, dp_size, seed, document_mask=mask)
 
     validation = None
     if with_validation and val_docs:
         val_tokens = tokenize_corpus(tokenizer, val_docs, cache)
         # A held-out split too small for one batch is skipped rather than fatal.
         if (len(val_tokens) - 1) // seq_len >= global_microbatch:
-            validation = StatefulLoader(PackedDataset(val_tokens, seq_len), local_batch_size, dp_rank, dp_size, seed + 1)
+            validation = StatefulLoader(packed(val_tokens), local_batch_size, dp_rank, dp_size, seed + 1, document_mask=mask)
         else:
             warnings.warn(
                 f"validation skipped: the held-out split has {len(val_tokens)} tokens, less than one batch; "

@@ -4,6 +4,8 @@ The loader's only state is one global counter of samples consumed by all
 data-parallel ranks together. Every rank reads the same seeded global order and
 takes its own block of each global batch, so a checkpoint taken with one
 data-parallel degree resumes under another without repeating or skipping data.
+`GlobalOrderLoader` is that mechanism; a dataset kind only says which tokens
+sit at each position of its global order.
 """
 
 from __future__ import annotations
@@ -13,30 +15,40 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from meshloom.data.builtin_corpus import Document, corpus_identity
+from meshloom.data.encoding import encode_texts, token_dtype
 from meshloom.data.tokenizer import Tokenizer
 
 _ENCODE_CHUNK_DOCS = 256  # bounds peak memory of Python id lists while tokenizing
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every id."""
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
 def _encode_docs(tokenizer: Tokenizer, docs: list[Document], dtype: np.dtype) -> np.ndarray:
-    parts: list[np.ndarray] = []
-    bos = np.array([tokenizer.bos_id], dtype=dtype)
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
-    for start in range(0, len(docs), _ENCODE_CHUNK_DOCS):
-        chunk = [d.text for d in docs[start:start + _ENCODE_CHUNK_DOCS]]
-        for ids in tokenizer.encode_batch(chunk):
-            parts.extend((bos, np.asarray(ids, dtype=dtype), eos))
+    parts = [
+        encode_texts(tokenizer, [d.text for d in docs[start:start + _ENCODE_CHUNK_DOCS]], dtype)[0]
+        for start in range(0, len(docs), _ENCODE_CHUNK_DOCS)
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def document_ids_between(starts: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Ids 0, 1, ... of the documents covering tokens [a, b) of a stream whose documents start at sorted `starts`."""
+    first = np.searchsorted(starts, a, side="right")  # documents starting after a begin new ids
+    last = np.searchsorted(starts, b, side="left")
+    ids = np.zeros(b - a, dtype=np.int32)
+    ids[starts[first:last] - a] = 1
+    return np.cumsum(ids, dtype=np.int32)
+
+
+class Window(NamedTuple):
+    """One sample: seq_len+1 tokens, and (with document masks) the document id of each."""
+
+    tokens: np.ndarray
+    document_ids: np.ndarray | None
 
 
 def token_cache_path(tokenizer: Tokenizer, docs: list[Document], cache_dir: Path) -> Path:
@@ -77,10 +89,11 @@ class PackedDataset:
     """Non-overlapping windows of seq_len+1 tokens; sample i starts at token i*seq_len.
 
     Windows share one boundary token so every token (but the last) is a target
-    exactly once. Documents are packed back to back, separated by bos/eos.
+    exactly once. Documents are packed back to back, separated by bos/eos;
+    `doc_starts` (sorted token offsets), when given, yields document ids.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, doc_starts: np.ndarray | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if len(tokens) < seq_len + 1:
@@ -90,6 +103,7 @@ class PackedDataset:
             )
         self.tokens = tokens
         self.seq_len = seq_len
+        self.doc_starts = doc_starts
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -100,6 +114,13 @@ class PackedDataset:
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         start = i * self.seq_len
         return self.tokens[start:start + self.seq_len + 1]
+
+    def document_ids(self, i: int) -> np.ndarray:
+        """Document id of each token of window(i), counting from 0 within the window."""
+        if self.doc_starts is None:
+            raise ValueError("document ids need the document starts; build the dataset with doc_starts")
+        start = i * self.seq_len
+        return document_ids_between(self.doc_starts, start, start + self.seq_len + 1)
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input, label) int64 tensors of length seq_len; label is input shifted by one."""
@@ -113,24 +134,90 @@ class PackedDataset:
 class Batch:
     inputs: torch.Tensor  # [L, S] int64
     labels: torch.Tensor  # [L, S] int64
-    sample_ids: torch.Tensor  # [L] int64, index into the dataset
+    sample_ids: torch.Tensor  # [L] int64: index into the dataset, or position in the global order
+    document_ids: torch.Tensor | None = None  # [L, S] int32 with document masks: equal ids = same document
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         return Batch(
             self.inputs.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
             self.sample_ids.to(device, non_blocking=non_blocking),
+            None if self.document_ids is None else self.document_ids.to(device, non_blocking=non_blocking),
         )
 
 
-class StatefulLoader:
+def batch_of(windows: list[Window], sample_ids: list[int]) -> Batch:
+    """Stack windows of seq_len+1 tokens into (inputs, labels) shifted by one."""
+    data = torch.from_numpy(np.stack([w.tokens for w in windows], dtype=np.int64))
+    document_ids = None
+    if windows[0].document_ids is not None:
+        document_ids = torch.from_numpy(np.stack([w.document_ids[:-1] for w in windows]))
+    return Batch(
+        inputs=data[:, :-1].contiguous(),
+        labels=data[:, 1:].contiguous(),
+        sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
+        document_ids=document_ids,
+    )
+
+
+class GlobalOrderLoader:
+    """Data-parallel batches from one global order of samples, resumable from one counter.
+
+    A global batch is the next local_batch_size*dp_size positions of the order;
+    rank r takes positions [consumed + r*L, consumed + (r+1)*L). Subclasses say
+    what sits at a position (`window`), so any data-parallel degree reads the
+    same order and a resume under another degree repeats and skips nothing.
+    """
+
+    def __init__(self, local_batch_size: int, dp_rank: int, dp_size: int):
+        if local_batch_size < 1:
+            raise ValueError(f"local batch size must be >= 1, got {local_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.consumed = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.local_batch_size * self.dp_size
+
+    def window(self, position: int) -> Window:
+        """The sample at `position` of the global order."""
+        raise NotImplementedError
+
+    def sample_id(self, position: int) -> int:
+        return position
+
+    def next_batch(self) -> Batch:
+        start = self.consumed + self.dp_rank * self.local_batch_size
+        positions = range(start, start + self.local_batch_size)
+        batch = batch_of([self.window(p) for p in positions], [self.sample_id(p) for p in positions])
+        self.consumed += self.global_batch_size
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def rewind(self) -> None:
+        """Back to the first position (validation reads the same batches every time)."""
+        self.consumed = 0
+
+    def _load_consumed(self, sd: dict) -> None:
+        if int(sd["consumed"]) < 0:
+            raise ValueError(f"data loader state has negative consumed={sd['consumed']}")
+        self.consumed = int(sd["consumed"])
+
+
+class StatefulLoader(GlobalOrderLoader):
     """Deterministic, resumable, data-parallel-sharded batches of a PackedDataset.
 
     The global stream is epoch 0's order, then epoch 1's, and so on; epoch e is
-    a permutation seeded with seed+e (identity order when shuffle=False). A
-    global batch is the next local_batch_size*dp_size positions of the stream;
-    rank r takes positions [consumed + r*L, consumed + (r+1)*L). Blocks may span
-    an epoch boundary.
+    a permutation seeded with seed+e (identity order when shuffle=False). Blocks
+    of ranks may span an epoch boundary. With document_mask, batches carry
+    document ids (the dataset needs its doc_starts).
     """
 
     def __init__(
@@ -141,28 +228,19 @@ class StatefulLoader:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        document_mask: bool = False,
     ):
-        if local_batch_size < 1:
-            raise ValueError(f"local batch size must be >= 1, got {local_batch_size}")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        super().__init__(local_batch_size, dp_rank, dp_size)
         self.dataset = dataset
-        self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
-        self.consumed = 0
+        self.document_mask = document_mask
         self._order_epoch = -1
         self._order = np.zeros(0, dtype=np.int64)
 
     @property
     def num_samples(self) -> int:
         return len(self.dataset)
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.local_batch_size * self.dp_size
 
     @property
     def epoch(self) -> int:
@@ -183,21 +261,12 @@ class StatefulLoader:
         n = self.num_samples
         return [int(self._epoch_order(p // n)[p % n]) for p in positions]
 
-    def next_batch(self) -> Batch:
-        start = self.consumed + self.dp_rank * self.local_batch_size
-        ids = self.sample_ids_at(range(start, start + self.local_batch_size))
-        windows = np.stack([self.dataset.window(i) for i in ids]).astype(np.int64)
-        data = torch.from_numpy(windows)
-        self.consumed += self.global_batch_size
-        return Batch(
-            inputs=data[:, :-1].contiguous(),
-            labels=data[:, 1:].contiguous(),
-            sample_ids=torch.tensor(ids, dtype=torch.int64),
-        )
+    def sample_id(self, position: int) -> int:
+        return self.sample_ids_at(range(position, position + 1))[0]
 
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
+    def window(self, position: int) -> Window:
+        i = self.sample_id(position)
+        return Window(self.dataset.window(i), self.dataset.document_ids(i) if self.document_mask else None)
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}
@@ -212,8 +281,6 @@ class StatefulLoader:
                 f"data loader state was saved for {sd['num_samples']} samples but the dataset has "
                 f"{self.num_samples}; resume with the same data and seq_len settings"
             )
-        if int(sd["consumed"]) < 0:
-            raise ValueError(f"data loader state has negative consumed={sd['consumed']}")
-        self.consumed = int(sd["consumed"])
+        self._load_consumed(sd)
         self.seed = int(sd["seed"])
         self._order_epoch = -1  # the seed may have changed

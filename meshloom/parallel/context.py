@@ -97,9 +97,10 @@ class SequenceLayout:
 
 
 def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[Any], Any]:
-    """A function from a batch (a dataclass with `inputs` and `labels` [b, s]) to this rank's sequence shard of it.
+    """A function from a batch (a dataclass with `inputs`, `labels` and optional `document_ids` [b, s]) to this
+    rank's sequence shard of it.
 
-    Labels are cut at the same positions as the inputs, so every local token keeps its own next-token target.
+    Every per-token field is cut at the same positions, so each local token keeps its own next-token target.
     Without context parallel the batch passes through unchanged.
     """
     if dims.cp == 1:
@@ -108,7 +109,10 @@ def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[Any], Any
     rank = dims.mesh("cp").get_local_rank()
 
     def shard(batch: Any) -> Any:
-        return dataclasses.replace(batch, inputs=layout.shard(batch.inputs, rank), labels=layout.shard(batch.labels, rank))
+        per_token = {name: getattr(batch, name) for name in ("inputs", "labels", "document_ids")}
+        return dataclasses.replace(
+            batch, **{name: layout.shard(value, rank) for name, value in per_token.items() if value is not None}
+        )
 
     return shard
 
@@ -338,13 +342,20 @@ def ring_attention(
 
 
 class RingAttentionCore:
-    """An attention core (q, k, v -> out) for models whose attention kernel is swappable."""
+    """An attention core (q, k, v[, document_ids] -> out) for models whose attention kernel is swappable."""
 
     def __init__(self, group: dist.ProcessGroup, layout: SequenceLayout):
         self.ring = Ring(group)
         self.layout = layout
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if document_ids is not None:
+            raise ValueError(
+                "context-parallel ring attention implements the causal mask only, not document masks; "
+                "set data.document_mask = false or parallelism.cp = 1"
+            )
         return ring_attention(q, k, v, self.ring, self.layout)
 
     def __repr__(self) -> str:

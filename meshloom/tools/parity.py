@@ -105,6 +105,18 @@ def run_steps(argv: list[str]) -> Curve:
     return Curve([r.loss for r in results], [r.grad_norm for r in results])
 
 
+def torchrun(module: str, world_size: int, args: list[str]) -> None:
+    """Run `python -m module args` on world_size local gloo ranks (one thread each); raise with the output on failure."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+        "-m", module, *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"launch of {module} on {world_size} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
 def launch(layouts: list[Layout], steps: int, workdir: Path) -> dict[str, Curve]:
     """One torchrun per world size; every layout of that size runs in turn inside it."""
     by_world: dict[int, list[Layout]] = defaultdict(list)
@@ -121,14 +133,7 @@ def launch(layouts: list[Layout], steps: int, workdir: Path) -> dict[str, Curve]
         cases_file = workdir / f"cases_{world_size}.json"
         out_file = workdir / f"curves_{world_size}.json"
         cases_file.write_text(json.dumps(cases))
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-            "-m", "meshloom.tools.parity", "--worker", str(cases_file), str(out_file),
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"parity launch of {world_size} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        torchrun("meshloom.tools.parity", world_size, ["--worker", str(cases_file), str(out_file)])
         for spec, data in json.loads(out_file.read_text()).items():
             curves[spec] = Curve(**data)
     return curves

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from meshloom.checkpoint.dcp import Checkpointer
 from meshloom.config.loader import ConfigError, to_dict
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
@@ -54,6 +55,7 @@ class Trainer:
                 f"{self.model_args.max_seq_len}; lower training.seq_len"
             )
         check_data_config(config.data)
+        self.checkpointer = Checkpointer(config, self.run_dir)
         self.device = select_device(tc.device)
         self.world_size = init_distributed(self.device)
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
@@ -87,6 +89,7 @@ class Trainer:
         self.step = 0
 
         self.tokens_per_step = tc.seq_len * tc.local_batch_size * self.grad_accum_steps * self.dp_size
+        self.checkpointer.load(self)  # resume, or an initial load of weights
         self.throughput = Throughput(
             flops_per_token(
                 self.model.num_params(exclude_embedding=True),
@@ -100,7 +103,7 @@ class Trainer:
         )
         self.rank = rank()
         self.logger = MetricLogger(
-            self.run_dir, tc.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar, self.rank
+            self.run_dir, tc.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar, self.rank, self.step
         )
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -144,9 +147,11 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Document ids (data.document_mask) go by keyword, and only when present.
+        masks = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
         with self._autocast():
-            logits = self.model(inputs.to(self.device))
+            logits = self.model(inputs.to(self.device), **masks)
         return cross_entropy_loss(logits, labels.to(self.device))
 
     def train_step(self) -> StepResult:
@@ -161,7 +166,7 @@ class Trainer:
                 # Reduce gradients once per step, not once per microbatch.
                 self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
             with loss_parallel_context(self.loss_parallel):
-                loss = self.forward_loss(batch.inputs, batch.labels) / self.grad_accum_steps
+                loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids) / self.grad_accum_steps
                 loss.backward()
             total_loss += local_value(loss.detach())
         if self.dims.is_distributed:
@@ -199,13 +204,13 @@ class Trainer:
         for _ in range(self.config.validation.steps):
             batch = self.shard_batch(loader.next_batch())
             with loss_parallel_context(self.loss_parallel):
-                loss = self.forward_loss(batch.inputs, batch.labels)
+                loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
             loss = local_value(loss)
             if self.dims.is_distributed:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
             losses.append(float(loss))
         # Every evaluation sees the same held-out batches, so values are comparable over time.
-        loader.load_state_dict({**loader.state_dict(), "consumed": 0})
+        loader.rewind()
         return sum(losses) / len(losses)
 
     def _should_log(self) -> bool:
@@ -239,5 +244,6 @@ class Trainer:
                     metrics["skipped_step"] = 1.0
             if metrics:
                 self.logger.log(self.step, metrics)
+            self.checkpointer.maybe_save()
         self.logger.close()
         return losses

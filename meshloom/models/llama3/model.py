@@ -16,6 +16,9 @@ torch.distributed.  A few choices exist only to make that possible:
   ``Transformer.forward`` takes optional RoPE ``positions``, so context
   parallel can run attention over a sequence shard whose tokens are not
   contiguous.
+
+Packed sequences may carry ``document_ids`` [b, s]: attention then stays
+inside each document (see ``causal_attention``).
 """
 
 from __future__ import annotations
@@ -175,9 +178,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The attention core over [b, heads, s, head_dim]: each query sees itself and earlier keys."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The attention core over [b, heads, s, head_dim]: each query sees itself and earlier keys.
+
+    With ``document_ids`` [b, s] a query also sees only keys of its own
+    document (a block-diagonal causal mask), so documents packed into one
+    sequence do not read each other. RoPE positions are not restarted per
+    document: a rotated q.k depends only on the distance between the two
+    tokens, so inside one block the scores equal those of the document alone.
+    """
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s = q.shape[-2]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(same_document & causal)[:, None])
+
 
 
 class RMSNorm(nn.Module):
@@ -210,7 +228,9 @@ class Attention(nn.Module):
         # Swappable from outside (context parallel puts a ring over the sequence shards here).
         self.core = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallel each rank sees only its local heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -225,7 +245,7 @@ class Attention(nn.Module):
             # every SDPA backend and with sharded tensors.
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v, document_ids)
         out = out.transpose(1, 2).contiguous().view(b, s, -1)
         return self.wo(out)
 
@@ -263,8 +283,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # document_ids goes by keyword: tensor-parallel input hooks convert positional inputs only.
+        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids=document_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -360,12 +383,15 @@ class Transformer(nn.Module):
             if self.output is not None:
                 _trunc_normal(self.output.weight, args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage).
 
+        document_ids [b, s] (optional): equal ids mark tokens of one document;
+        attention then never crosses a document boundary.
         positions [s] (optional): the RoPE position of each token, for a
         sequence shard whose tokens are not 0..s-1 (context parallel).
-
         Returns float32 logits [b, s, vocab], or hidden states when this stage
         has no output projection.
         """
@@ -382,7 +408,7 @@ class Transformer(nn.Module):
 
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, document_ids=document_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -1,0 +1,125 @@
+"""`meshloom seed-checkpoint`, `meshloom convert` and `meshloom export`: offline, one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from meshloom.checkpoint import folders
+from meshloom.checkpoint.offline import read_model_args, read_model_weights, save_weights
+from meshloom.checkpoint.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    HFFolder,
+    from_hf,
+    parse_dtype,
+    parse_size,
+    write_hf_folder,
+)
+from meshloom.checkpoint.safe_read import METADATA_FILE
+from meshloom.config.loader import load_config
+from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.parallel.distributed import world_size_from_env
+from meshloom.train.model_setup import build_model
+
+
+def _fail(message: str) -> int:
+    print(f"meshloom: error: {message}", file=sys.stderr)
+    return 2
+
+
+def seed_checkpoint(argv: list[str]) -> Path:
+    """Initial weights of the configured model from one process, as step-0 of the run's checkpoint folder."""
+    config = load_config(argv)
+    if world_size_from_env() > 1:
+        raise ValueError("seed-checkpoint runs in one process; start it without torchrun")
+    root = Path(config.checkpoint.folder)
+    root = root if root.is_absolute() else Path(config.job.dump_folder) / root
+    complete, _ = folders.list_checkpoints(root)
+    if complete:
+        raise ValueError(f"{root} already holds checkpoints (up to step {complete[-1].step}); choose another job.dump_folder")
+    spec = get_model_spec(config.model.name)
+    args = get_model_args(config.model.name, config.model.flavor)
+    torch.manual_seed(config.training.seed)
+    model = build_model(spec, args, None, config, torch.device("cpu"))
+    return save_weights(model, folders.step_dir(root, 0), config.model.name, args, config)
+
+
+def seed_checkpoint_main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: meshloom seed-checkpoint [--config FILE.toml] [--section.field VALUE ...]\n\n"
+              "Writes the initial weights (training.seed) of the configured model from one process to\n"
+              "<job.dump_folder>/<checkpoint.folder>/step-0. Start training from it with --checkpoint.resume true\n"
+              "(or --checkpoint.initial_load_path PATH); every layout then starts from these same weights.")  # fmt: skip
+        return 0
+    try:
+        path = seed_checkpoint(argv)
+    except ValueError as err:
+        return _fail(str(err))
+    print(f"seed checkpoint written to {path}")
+    return 0
+
+
+def _is_meshloom_checkpoint(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file() or folders.is_complete(path) or bool(folders.list_checkpoints(path)[0])
+
+
+def convert_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="meshloom convert",
+        description="Hugging Face folder -> meshloom checkpoint (weights only, float32), or meshloom checkpoint -> "
+        "Hugging Face folder (config.json + safetensors, sharded with an index when large). The direction follows SRC.",
+    )
+    parser.add_argument("src", type=Path, help="a Hugging Face model folder, or a meshloom checkpoint (step folder or root)")
+    parser.add_argument("dst", type=Path, help="output folder")
+    parser.add_argument("--dtype", default="bfloat16", help="Hugging Face output dtype: bfloat16 or float32")
+    parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), help="largest safetensors shard, e.g. 5GB")
+    args = parser.parse_args(argv)
+    try:
+        if _is_meshloom_checkpoint(args.src):
+            info = folders.open_checkpoint(args.src)
+            _, model_args, extra = read_model_args(info)
+            weights = read_model_weights(info)
+            out = write_hf_folder(
+                weights, model_args, args.dst, parse_dtype(args.dtype), parse_size(args.max_shard_size), extra.get("hf_config")
+            )
+            print(f"Hugging Face model written to {out}")
+        elif (args.src / WEIGHTS_FILE).is_file() or (args.src / INDEX_FILE).is_file():
+            folder = HFFolder(args.src)
+            model = from_hf(folder.path)
+            out = save_weights(model, args.dst, "llama3", folder.args, extra={"hf_config": folder.config})
+            print(f"meshloom checkpoint written to {out}; train from it with --checkpoint.initial_load_path {out}")
+        else:
+            return _fail(f"{args.src} is neither a meshloom checkpoint nor a Hugging Face model folder ({WEIGHTS_FILE} or {INDEX_FILE})")
+    except ValueError as err:
+        return _fail(str(err))
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="meshloom export",
+        description="Write a checkpoint's model weights as one consolidated safetensors file (meshloom tensor names), for inference.",
+    )
+    parser.add_argument("src", type=Path, help="a meshloom checkpoint (step folder, or a root: its latest complete step)")
+    parser.add_argument("out", type=Path, help="output .safetensors file")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    args = parser.parse_args(argv)
+    try:
+        dtype = parse_dtype(args.dtype)
+        info = folders.open_checkpoint(args.src)
+        name, model_args, extra = read_model_args(info)
+        weights = {k: v.to(dtype).contiguous() for k, v in read_model_weights(info).items()}
+    except ValueError as err:
+        return _fail(str(err))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", "model": name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
+    save_file(weights, args.out, metadata=metadata)
+    print(f"step {info.step} weights ({len(weights)} tensors, {args.dtype}) written to {args.out}")
+    return 0

@@ -1,0 +1,276 @@
+"""Distributed checkpoints of a training run: save (sync or async), atomic commit, resume, initial loads.
+
+Folder layout and the commit marker live in `folders.py`, what a checkpoint holds in `state.py`, checks
+and safe reading in `reading.py`. The trainer talks to one `Checkpointer`: built early (it only checks
+settings and files), then `load(trainer)` once model, optimizer and data exist, then `maybe_save()`
+after every step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from tqdm import tqdm
+
+from meshloom.checkpoint import folders
+from meshloom.checkpoint.folders import CheckpointInfo
+from meshloom.checkpoint.hf import HFFolder, load_into_model_parts
+from meshloom.checkpoint.integrity import checkpoint_files, compute_checksums
+from meshloom.checkpoint.offline import write_side_files
+from meshloom.checkpoint.reading import (
+    CorruptCheckpointError,
+    check_model_shapes,
+    distributed,
+    load_state,
+    read_index,
+    verify,
+)
+from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, RngState, TrainState
+from meshloom.config.loader import ConfigError
+from meshloom.config.schema import Config
+from meshloom.models.llama3 import hf as llama_hf
+from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.parallel.distributed import rank
+
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
+def _say(message: str) -> None:
+    if rank() == 0:
+        tqdm.write(f"checkpoint: {message}")
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    finished: Future  # resolves once the files are written, checksummed and committed
+
+
+class Checkpointer:
+    def __init__(self, config: Config, run_dir: Path):
+        """Checks settings and files only; nothing heavy is read or built yet."""
+        self.config = config
+        c = self.settings = config.checkpoint
+        if c.interval <= 0:
+            raise ConfigError(f"checkpoint.interval must be positive, got {c.interval}")
+        if c.keep_last_k < 0:
+            raise ConfigError(f"checkpoint.keep_last_k must be >= 0 (0 keeps all), got {c.keep_last_k}")
+        self.root = Path(c.folder) if Path(c.folder).is_absolute() else Path(run_dir) / c.folder
+        complete, partial = folders.list_checkpoints(self.root)
+        if c.resume and not complete:
+            found = f"; incomplete saves found: {', '.join(p.name for p in partial)}" if partial else ""
+            raise ConfigError(
+                f"checkpoint.resume is set but {self.root} holds no complete checkpoint{found}; start without "
+                "--checkpoint.resume, or point job.dump_folder / checkpoint.folder at the run to continue"
+            )
+        if c.enable and not c.resume and complete:
+            raise ConfigError(
+                f"{self.root} already holds checkpoints up to step {complete[-1].step}; pass --checkpoint.resume true to "
+                "continue from them, or choose another job.dump_folder"
+            )
+        self.initial: HFFolder | CheckpointInfo | None = None
+        if c.initial_load_path and not c.resume:
+            self.initial = self._open_initial(c.initial_load_path, c.initial_load_format)
+        self._precheck(complete)
+        self._pending: _PendingSave | None = None
+        self._async_group: dist.ProcessGroup | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
+        self.trainer: Any = None
+
+    @staticmethod
+    def _open_initial(path: str, fmt: str) -> HFFolder | CheckpointInfo:
+        try:
+            return HFFolder(path) if fmt == "hf" else folders.open_checkpoint(Path(path))
+        except ValueError as err:
+            hint = "" if fmt == "hf" else "; for a Hugging Face folder set checkpoint.initial_load_format = 'hf'"
+            raise ConfigError(f"checkpoint.initial_load_path: {err}{hint}") from None
+
+    def _precheck(self, complete: list[CheckpointInfo]) -> None:
+        """Compare what will be loaded with the configured model's shapes before anything heavy is built."""
+        args = get_model_args(self.config.model.name, self.config.model.flavor)
+        if isinstance(self.initial, HFFolder):
+            differences = llama_hf.shape_differences(args, self.initial.args)
+            if differences:
+                raise ConfigError(
+                    f"checkpoint.initial_load_path {self.initial.path} does not match model.flavor="
+                    f"{self.config.model.flavor!r} (Hugging Face vs flavor): {'; '.join(differences)}; pick the matching flavor"
+                )
+            self.initial.check()
+            return
+        target = complete[-1] if self.settings.resume else self.initial
+        if target is None:
+            return
+        try:
+            metadata = read_index(target.path)
+        except CorruptCheckpointError:
+            return  # reported, or fallen back from, when loading
+        with torch.device("meta"):
+            model = get_model_spec(self.config.model.name).model_cls(args)
+        check_model_shapes(target.path, metadata, {n: t.shape for n, t in model.state_dict().items()}, complete_model=True)
+
+    # ----------------------------------------------------------------- binding and loading
+
+    def load(self, trainer: Any) -> None:
+        """Bind the trainer's state, then resume or apply the initial load (if configured)."""
+        self.trainer = trainer
+        # Pipeline stages appear as several model parts (trainer.model_parts) with one optimizer each.
+        self.model_parts: list[nn.Module] = list(getattr(trainer, "model_parts", None) or [trainer.model])
+        optimizers = list(getattr(trainer, "optimizers", None) or [trainer.optimizer] * len(self.model_parts))
+        self.model_state = ModelState(self.model_parts)
+        self.app_state: dict[str, Any] = {
+            "model": self.model_state,
+            "optimizer": OptimizerState(self.model_parts, optimizers),
+            "train": TrainState(trainer),
+            "data": DataState.of_rank(trainer.data.train, getattr(trainer, "dp_rank", 0)),
+        }
+        self.rng_state = RngState(rank())
+        if self.settings.resume:
+            self._resume()
+        elif isinstance(self.initial, HFFolder):
+            start = time.perf_counter()
+            load_into_model_parts(self.model_parts, self.initial)
+            _say(f"loaded Hugging Face weights from {self.initial.path} in {time.perf_counter() - start:.2f} s")
+        elif isinstance(self.initial, CheckpointInfo):
+            self._load_checkpoint(self.initial, weights_only=True)
+
+    def _load_checkpoint(self, info: CheckpointInfo, weights_only: bool) -> None:
+        start = time.perf_counter()
+        metadata = read_index(info.path)
+        verify(info)
+        expected = {name: t.shape for name, t in self.model_state.state_dict().items()}
+        complete_model = getattr(getattr(self.trainer, "dims", None), "pp", 1) == 1
+        check_model_shapes(info.path, metadata, expected, complete_model)
+        state: dict[str, Any] = {"model": self.model_state}
+        if not weights_only:
+            state.update(self.app_state)
+            state["data"] = self.app_state["data"].entry_to_load(metadata.state_dict_metadata)
+            # Random streams belong to ranks: continue them only when every rank has its predecessor.
+            if info.marker.get("world_size") == _world_size() and f"rng.{self.rng_state.key}.torch" in metadata.state_dict_metadata:
+                state["rng"] = self.rng_state
+        load_state(state, info.path)
+        what = "weights" if weights_only else "full state"
+        _say(f"loaded {what} of step {info.step} from {info.path} in {time.perf_counter() - start:.2f} s")
+
+    def _resume(self) -> None:
+        complete, _ = folders.list_checkpoints(self.root)
+        for i in range(len(complete) - 1, -1, -1):
+            info = complete[i]
+            try:
+                self._load_checkpoint(info, weights_only=info.weights_only)
+                return
+            except CorruptCheckpointError as err:
+                if i == 0:
+                    raise CorruptCheckpointError(f"{err}; no earlier complete checkpoint is left in {self.root}") from None
+                if not self.settings.fallback_on_corrupt:
+                    raise CorruptCheckpointError(
+                        f"{err}; set checkpoint.fallback_on_corrupt = true to resume from the previous complete "
+                        f"checkpoint ({complete[i - 1].path.name}) instead, or remove {info.path}"
+                    ) from None
+                _say(f"WARNING: {err}; falling back to {complete[i - 1].path.name}")
+
+    # ----------------------------------------------------------------- saving
+
+    def maybe_save(self) -> None:
+        """After each step: commit a finished background save; save when the interval (or the last step) is reached."""
+        if self._pending is not None and self._pending.finished.done():
+            self.wait()
+        if not self.settings.enable:
+            return
+        step = self.trainer.step
+        last = step >= self.config.training.steps
+        if step % self.settings.interval == 0 or last:
+            self.save(step, wait=last)
+
+    def save(self, step: int, wait: bool = False) -> None:
+        start = time.perf_counter()  # training is blocked from here, including any wait for the previous save
+        self.wait()  # one save in flight at a time
+        path = folders.step_dir(self.root, step)
+        if rank() == 0:
+            if path.exists():  # left by a crashed or superseded save of the same step
+                folders.remove(path)
+            write_side_files(path, self.config, self.config.model.name, self.trainer.model_args)
+        if distributed():
+            dist.barrier()
+        state = {**self.app_state, "rng": self.rng_state}
+        if self.settings.async_mode == "async":
+            group = self._checkpoint_group()
+            # Returns once the state is copied to host memory; a DCP thread writes the files.
+            upload = dcp.async_save(
+                state, storage_writer=FileSystemWriter(path), process_group=group, async_stager=self._host_stager(),
+                no_dist=not distributed(),
+            )  # fmt: skip
+            blocking = time.perf_counter() - start
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshloom-checkpoint")
+            finished = self._executor.submit(lambda: self._finish(step, path, upload.result(), group, start, blocking))
+            self._pending = _PendingSave(step, finished)
+            if wait:
+                self.wait()
+        else:
+            metadata = dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not distributed())
+            self._finish(step, path, metadata, None, start, blocking=None)  # the step waits for all of it
+
+    def _host_stager(self) -> DefaultStager:
+        """One stager for the whole run: it keeps its host buffers (pinned on GPUs) and refills them at each save,
+        instead of allocating and faulting in a fresh copy of the state every time. Saves never overlap, so a
+        buffer is only refilled after the previous save finished writing it."""
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False)
+            )
+        return self._stager
+
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        """Background saves talk on their own gloo group so they never interleave with training collectives."""
+        if distributed() and self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raises its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finished.result()
+
+    def _finish(self, step: int, path: Path, metadata: Metadata, group: dist.ProcessGroup | None, start: float,
+                blocking: float | None) -> None:  # fmt: skip
+        """Checksum the files, then rank 0 commits. DCP's coordinator (rank 0) returns from a save only after
+        every rank reported its files written, and the checksum gather is one more rendezvous of all ranks."""
+        checksums = compute_checksums(path, checkpoint_files(metadata), group)
+        if rank() != 0:
+            return
+        total = time.perf_counter() - start
+        blocking = total if blocking is None else blocking
+        folders.commit(path, {
+            "step": step,
+            "kind": "full",
+            "world_size": _world_size(),
+            "layout": {name: getattr(self.trainer.dims, name) for name in LAYOUT_KEYS},
+            "async": self.settings.async_mode == "async",
+            "blocking_seconds": round(blocking, 6),
+            "total_seconds": round(total, 6),
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "checksums": checksums,
+        })  # fmt: skip
+        mode = "async" if self.settings.async_mode == "async" else "sync"
+        _say(f"step {step} saved to {path} ({mode}): training blocked {blocking:.3f} s, total {total:.3f} s")
+        for removed in folders.prune(self.root, self.settings.keep_last_k):
+            _say(f"removed {removed}")

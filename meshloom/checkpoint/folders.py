@@ -1,0 +1,131 @@
+"""Checkpoint folder layout: `<root>/step-<N>/`, committed by a marker file written last.
+
+A save writes its shards and DCP index into step-<N>/ and only then, once every rank has finished,
+rank 0 writes step-<N>/complete.json (via a temporary name and an atomic rename). Discovery looks only at
+folders with the marker, so a crash at any point of a save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshloom.checkpoint.safe_read import METADATA_FILE
+
+MARKER_FILE = "complete.json"
+CONFIG_FILE = "config.json"  # the run config the checkpoint was saved with
+MODEL_ARGS_FILE = "model_args.json"  # model family and shape, so tools can rebuild it without the config
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    marker: dict[str, Any]
+
+    @property
+    def weights_only(self) -> bool:
+        return self.marker.get("kind") == "weights"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / MARKER_FILE).is_file()
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / MARKER_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"checkpoint {path} has an unreadable {MARKER_FILE}: {err}") from None
+
+
+def list_checkpoints(root: Path) -> tuple[list[CheckpointInfo], list[Path]]:
+    """(complete checkpoints, incomplete step folders), each sorted by step, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return [], []
+    complete, partial = [], []
+    for path in root.iterdir():
+        step = _step_of(path)
+        if step is None:
+            continue
+        if is_complete(path):
+            complete.append(CheckpointInfo(path, step, read_marker(path)))
+        else:
+            partial.append(path)
+    complete.sort(key=lambda c: c.step)
+    partial.sort(key=lambda p: _step_of(p) or 0)
+    return complete, partial
+
+
+def open_checkpoint(path: Path) -> CheckpointInfo:
+    """A complete checkpoint: a step folder, or a checkpoint root (its latest complete step)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} not found")
+    if is_complete(path):
+        marker = read_marker(path)
+        return CheckpointInfo(path, int(marker.get("step", 0)), marker)
+    if (path / METADATA_FILE).is_file():
+        raise ValueError(f"checkpoint {path} has no {MARKER_FILE}: its save never finished; use an earlier step")
+    complete, partial = list_checkpoints(path)
+    if not complete:
+        found = f" (incomplete: {', '.join(p.name for p in partial)})" if partial else ""
+        raise ValueError(f"{path} holds no complete checkpoint{found}")
+    return complete[-1]
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write then rename, so readers never see half a file; fsync so the rename cannot outlive the data."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(path: Path, marker: dict[str, Any]) -> None:
+    """Mark a fully written checkpoint complete (rank 0, after every rank finished writing)."""
+    write_json_atomic(Path(path) / MARKER_FILE, marker)
+    try:  # make the rename itself durable
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def remove(path: Path) -> None:
+    """Delete a step folder, marker first, so a crash half-way leaves it incomplete, never half-complete."""
+    (Path(path) / MARKER_FILE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(root: Path, keep_last_k: int) -> list[Path]:
+    """Delete all but the newest keep_last_k complete checkpoints, and incomplete folders older than the newest
+    complete one (left by crashed saves). keep_last_k = 0 keeps everything. Returns what was deleted."""
+    complete, partial = list_checkpoints(root)
+    doomed = [c.path for c in complete[:-keep_last_k]] if keep_last_k > 0 else []
+    if complete:
+        doomed += [p for p in partial if (_step_of(p) or 0) < complete[-1].step]
+    for path in doomed:
+        remove(path)
+    return doomed

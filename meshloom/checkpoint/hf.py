@@ -1,0 +1,192 @@
+"""Hugging Face model folders (config.json + safetensors, single file or sharded with an index), in and out.
+
+Only the `safetensors` package reads and writes weights, so nothing is ever unpickled. Tensor names,
+config fields and the q/k RoPE permutation come from the model family's `hf` module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from meshloom.models.llama3 import Transformer, hf as llama_hf
+from meshloom.models.llama3.model import Llama3Args
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a plain byte count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?i?[bB]?)\s*", text)
+    if not match:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or a byte count")
+    number, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(number * scale)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose bfloat16 or float32")
+    return DTYPES[name]
+
+
+class HFFolder:
+    """A Hugging Face Llama folder, checked on opening: config, weight files and the index's shard list."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ValueError(f"Hugging Face model folder {self.path} not found")
+        config_path = self.path / CONFIG_FILE
+        if not config_path.is_file():
+            raise ValueError(f"{self.path} has no {CONFIG_FILE}; a Hugging Face model folder needs one next to its weights")
+        try:
+            self.config: dict[str, Any] = json.loads(config_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_path} is not valid JSON: {err}") from None
+        self.args: Llama3Args = llama_hf.args_from_hf_config(self.config, str(config_path))
+        self.weight_map = self._weight_map()
+
+    def _weight_map(self) -> dict[str, Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise ValueError(f"{index} is not a safetensors index (needs a 'weight_map'): {err}") from None
+            files = {name: self.path / file for name, file in weight_map.items()}
+            for file in sorted(set(files.values())):
+                if not file.is_file():
+                    raise ValueError(f"shard file {file.name} listed in {index} is missing; download or copy it into {self.path}")
+            return files
+        single = self.path / WEIGHTS_FILE
+        if single.is_file():
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        other = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt*"))
+        hint = f" (found {other[:3]}: pickled weights are never loaded; re-save them with safetensors)" if other else ""
+        raise ValueError(f"{self.path} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+
+    def expected_shapes(self) -> dict[str, torch.Size]:
+        """meshloom name -> shape for every tensor the config implies (a tied output is the embedding)."""
+        with torch.device("meta"):
+            model = Transformer(self.args)
+        return {name: t.shape for name, t in model.state_dict().items()}
+
+    def check(self) -> None:
+        """Every needed tensor present with the right shape; nothing unknown. Reads headers only."""
+        shapes = self.expected_shapes()
+        needed = {llama_hf.hf_name(n): n for n in llama_hf.exported_names(list(shapes), self.args)}
+        for hf_name, ours in needed.items():
+            if hf_name not in self.weight_map:
+                raise ValueError(f"{self.path} lacks tensor {hf_name!r}, which its config.json implies")
+        optional = {"lm_head.weight"} if self.args.tie_embeddings else set()
+        for hf_name in self.weight_map:
+            if hf_name not in needed and hf_name not in optional and not hf_name.endswith(llama_hf.IGNORED_HF_SUFFIXES):
+                raise ValueError(f"{self.path} holds tensor {hf_name!r}, which a Llama with this config.json does not have")
+        with ExitStack() as stack:
+            handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(self.weight_map.values())}
+            for hf_name, ours in needed.items():
+                shape = tuple(handles[self.weight_map[hf_name]].get_slice(hf_name).get_shape())
+                if shape != tuple(shapes[ours]):
+                    raise ValueError(
+                        f"tensor {hf_name!r} in {self.path} has shape {list(shape)}, but config.json implies {list(shapes[ours])}"
+                    )
+
+    def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(meshloom name, tensor) for the given meshloom names, read lazily file by file."""
+        with ExitStack() as stack:
+            handles: dict[Path, Any] = {}
+            for name in names:
+                source = "tok_embeddings.weight" if name == "output.weight" and self.args.tie_embeddings else name
+                hf_name = llama_hf.hf_name(source)
+                file = self.weight_map[hf_name]
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                _, tensor = llama_hf.from_hf(hf_name, handles[file].get_tensor(hf_name), self.args)
+                yield name, tensor
+
+
+def _layer_groups(names: list[str]) -> list[list[str]]:
+    """Names grouped per transformer block (others alone), so at most one block is materialised at a time."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def load_into_model_parts(model_parts: list[nn.Module], folder: HFFolder) -> None:
+    """Fill (possibly sharded) model parts with the weights of a checked folder; each rank reads full tensors
+    lazily and keeps its own shard, so any layout gets the same weights."""
+    for part in model_parts:
+        template = get_model_state_dict(part)
+        for group in _layer_groups(list(template)):
+            full = {name: t.to(template[name].dtype) for name, t in folder.tensors(group)}
+            set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def from_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """A ready meshloom Llama (eval mode) from a Hugging Face folder: `model(tokens)` gives logits."""
+    folder = HFFolder(path)
+    folder.check()
+    with torch.device("meta"):
+        model = Transformer(folder.args)
+    model.to_empty(device=device)
+    model.init_weights()  # RoPE tables; every parameter is overwritten below
+    state = dict(folder.tensors(list(model.state_dict())))
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
+def write_hf_folder(
+    state: dict[str, torch.Tensor],
+    args: Llama3Args,
+    out: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    base_config: dict[str, Any] | None = None,
+) -> Path:
+    """config.json plus model.safetensors, or model-0000i-of-0000n.safetensors shards and their index."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for name in llama_hf.exported_names(list(state), args):
+        hf_name, tensor = llama_hf.to_hf(name, state[name], args)
+        tensor = tensor.to(dtype).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][hf_name] = tensor
+        sizes[-1] += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], out / WEIGHTS_FILE, metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / file, metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, file))
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (out / CONFIG_FILE).write_text(json.dumps(llama_hf.hf_config(args, dtype, base_config), indent=2))
+    return out

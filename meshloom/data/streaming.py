@@ -1,0 +1,260 @@
+"""Training on data too large to prepare first: `datasets` streaming, tokenized and packed on the fly.
+
+Each data-parallel rank reads its own part of the stream (`split_dataset_by_node`: whole files when
+their number divides by the ranks, else every dp-th record), keeps the documents of its side of the
+split (validation = a hash of the text below data.validation_fraction), tokenizes them one by one
+as [bos] + ids + [eos], and cuts the packed stream into seq_len+1 windows that share one boundary
+token, like the other datasets.
+
+Files are read with the `datasets` json, parquet and text builders (a .txt file is one document).
+Undecodable bytes are read as U+FFFD, so a document containing U+FFFD counts as non-UTF-8 input.
+The json builder takes its fields from the first file: a record may lack the text field, but a
+later file with fields the first lacks stops with an error (prepare has no such limit).
+
+State, per rank: the `datasets` state before the document where the next window starts, the token
+offset in that document, the epoch and the skip counts. Resuming reopens the stream at that
+document, so it continues at exactly the next token. The state belongs to one rank of one
+data-parallel degree: resume with the same degree (prepared shards resume under any degree).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections import deque
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from meshloom.data.documents import BadInputPolicy, HF_PREFIX, bad, empty_counts, good, text_of
+from meshloom.data.loader import Batch, Window, batch_of
+from meshloom.data.tokenizer import Tokenizer
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def stream_files(spec: str) -> tuple[str, list[str]]:
+    """(datasets builder, sorted files) of a `data.stream` file, folder or glob; hf:NAME -> (NAME, [])."""
+    if spec.startswith(HF_PREFIX):
+        return spec[len(HF_PREFIX):], []
+    path = Path(spec)
+    if any(ch in spec for ch in "*?["):
+        files = sorted(p for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    elif path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS)
+    elif path.is_file():
+        files = [spec]
+    else:
+        raise ValueError(f"data.stream: {spec} matches no file or folder; give .jsonl/.json/.parquet/.txt files or hf:NAME")
+    builders = {_BUILDERS.get(Path(f).suffix) for f in files}
+    if not files or None in builders or len(builders) != 1:
+        raise ValueError(
+            f"data.stream: {spec} must name files of one kind, .jsonl/.json, .parquet or .txt "
+            f"(found {sorted({Path(f).suffix for f in files}) or 'none'}); prepare mixed inputs with `meshloom prepare`"
+        )
+    return builders.pop(), files
+
+
+def open_stream(spec: str, split: str, dp_rank: int, dp_size: int):
+    """This rank's part of the stream, as a `datasets` IterableDataset."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    builder, files = stream_files(spec)
+    if not files:
+        dataset = datasets.load_dataset(builder, split=split, streaming=True)
+    else:
+        options: dict[str, Any] = {}
+        if builder == "json":
+            # "utf_8" rather than "utf-8": only then does the json builder decode with encoding_errors.
+            options = {"encoding": "utf_8", "encoding_errors": "replace"}
+        elif builder == "text":
+            options = {"sample_by": "document", "keep_linebreaks": True, "encoding_errors": "replace"}
+        dataset = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+    return split_dataset_by_node(dataset, dp_rank, dp_size) if dp_size > 1 else dataset
+
+
+def is_held_out(text: str, fraction: float) -> bool:
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+class _Doc(NamedTuple):
+    epoch: int
+    state: dict[str, Any]  # the datasets state just before this document
+    tokens: np.ndarray
+
+
+class StreamingLoader:
+    """One rank's batches of windows packed from a `datasets` stream; resumable per rank."""
+
+    def __init__(
+        self,
+        spec: str,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        *,
+        text_field: str = "text",
+        split: str = "train",
+        validation_fraction: float = 0.0,
+        validation: bool = False,
+        bad_input: str = "error",
+        document_mask: bool = False,
+    ):
+        stream_files(spec)  # a wrong spec fails here, before any reading
+        self.spec, self.tokenizer, self.seq_len = spec, tokenizer, seq_len
+        self.local_batch_size, self.dp_rank, self.dp_size = local_batch_size, dp_rank, dp_size
+        self.text_field, self.split = text_field, split
+        self.validation_fraction, self.validation = validation_fraction, validation
+        self.policy = BadInputPolicy(bad_input)
+        self.document_mask = document_mask
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Back to the start of the stream."""
+        self._restart(epoch=0, doc_state=None, offset=0, windows=0, skipped=empty_counts())
+
+    def _restart(self, epoch: int, doc_state: dict | None, offset: int, windows: int, skipped: dict[str, int]) -> None:
+        self.epoch, self.windows, self.skipped = epoch, windows, dict(skipped)
+        self._start_state, self._offset = doc_state, offset
+        self._dataset = None
+        self._iterator = None
+        self._docs: deque[_Doc] = deque()
+        self._buffered = 0
+        self._read = 0  # records read in this epoch (for messages)
+        self._found_in_epoch = doc_state is not None  # a resume point is a usable document
+
+    def _open(self) -> None:
+        self._dataset = open_stream(self.spec, self.split, self.dp_rank, self.dp_size)
+        if self._start_state is not None:
+            self._dataset.load_state_dict(self._start_state)
+            self._start_state = None
+        self._iterator = iter(self._dataset)
+
+    def _next_document(self) -> _Doc:
+        while True:
+            if self._iterator is None:
+                self._open()
+            state = self._dataset.state_dict()
+            try:
+                record = next(self._iterator)
+            except StopIteration:
+                if not self._found_in_epoch:
+                    side = "held-out (data.validation_fraction)" if self.validation else "training"
+                    raise ValueError(f"data.stream: {self.spec} has no usable {side} document for data-parallel rank {self.dp_rank}") from None
+                self.epoch += 1
+                self._iterator, self._read, self._found_in_epoch = None, 0, False
+                continue
+            except Exception as err:  # datasets and pyarrow raise their own types for unreadable input
+                hint = ""
+                if type(err).__name__ == "CastError":
+                    hint = (
+                        "; the `datasets` json builder needs the fields of the first file in every file "
+                        "(`meshloom prepare` reads each line on its own)"
+                    )
+                raise ValueError(f"data.stream: reading {self.spec} failed after record {self._read} of this rank: {err}{hint}") from err
+            where = f"data.stream {self.spec}: record {self._read} of rank {self.dp_rank}'s part, epoch {self.epoch}"
+            self._read += 1
+            text, why = text_of(record, self.text_field)
+            entry = bad(where, "missing_text", why, 0) if text is None else good(where, text, 0)
+            if entry.problem is None and "\ufffd" in text:
+                entry = bad(where, "non_utf8", "holds undecodable bytes (read as U+FFFD)", 0)
+            if entry.problem is not None:
+                self.policy.handle(entry, self.skipped)
+                continue
+            if is_held_out(text, self.validation_fraction) != self.validation:
+                continue
+            self._found_in_epoch = True
+            ids = self.tokenizer.encode(text)
+            tokens = np.array([self.tokenizer.bos_id, *ids, self.tokenizer.eos_id], dtype=np.int64)
+            return _Doc(self.epoch, state, tokens)
+
+    def _window(self) -> Window:
+        need = self.seq_len + 1
+        while self._buffered - self._offset < need:
+            doc = self._next_document()
+            self._docs.append(doc)
+            self._buffered += len(doc.tokens)
+        pieces, start = [], self._offset
+        for doc in self._docs:
+            take = doc.tokens[start:start + need - sum(len(p) for p in pieces)]
+            pieces.append(take)
+            start = 0
+            if sum(len(p) for p in pieces) == need:
+                break
+        # The next window starts seq_len tokens later; drop documents it no longer touches.
+        self._offset += self.seq_len
+        while self._offset >= len(self._docs[0].tokens):
+            dropped = self._docs.popleft()
+            self._offset -= len(dropped.tokens)
+            self._buffered -= len(dropped.tokens)
+        ids = np.repeat(np.arange(len(pieces), dtype=np.int32), [len(p) for p in pieces]) if self.document_mask else None
+        return Window(np.concatenate(pieces), ids)
+
+    def next_batch(self) -> Batch:
+        windows = [self._window() for _ in range(self.local_batch_size)]
+        # Unique over ranks: the rank's window count interleaved by rank.
+        ids = [(self.windows + i) * self.dp_size + self.dp_rank for i in range(self.local_batch_size)]
+        self.windows += self.local_batch_size
+        return batch_of(windows, ids)
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._docs:
+            front = self._docs[0]
+            epoch, doc_state = front.epoch, front.state
+        else:
+            epoch, doc_state = self.epoch, self._start_state
+        return {
+            "stream": self.spec,
+            "validation": self.validation,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "seq_len": self.seq_len,
+            "epoch": epoch,
+            "doc_state": doc_state,
+            "offset": self._offset,
+            "windows": self.windows,
+            "skipped": dict(self.skipped),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for key in ("stream", "validation", "dp_rank", "dp_size", "seq_len"):
+            if sd.get(key) != getattr(self, "spec" if key == "stream" else key):
+                raise ValueError(
+                    f"streaming loader state was saved with {key}={sd.get(key)!r}, this run has "
+                    f"{getattr(self, 'spec' if key == 'stream' else key)!r}; a stream resumes only with the same stream, "
+                    "seq_len and data-parallel degree (prepare shards with `meshloom prepare` to resume under another degree)"
+                )
+        self._restart(sd["epoch"], sd["doc_state"], sd["offset"], sd["windows"], sd["skipped"])
+
+
+class ReplayedLoader:
+    """Validation over a stream: batches are read once, then replayed after every rewind."""
+
+    def __init__(self, loader: StreamingLoader):
+        self.loader = loader
+        self._batches: list[Batch] = []
+        self._next = 0
+
+    def next_batch(self) -> Batch:
+        if self._next == len(self._batches):
+            self._batches.append(self.loader.next_batch())
+        self._next += 1
+        return self._batches[self._next - 1]
+
+    def rewind(self) -> None:
+        self._next = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self._next}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._next = min(int(sd["consumed"]), len(self._batches))

@@ -1,0 +1,131 @@
+"""Training runs that stop after a checkpoint and resume, possibly under another layout.
+
+A case is a deterministic fp32 run of the `tiny` model (the parity harness's settings) under one layout.
+It may stop right after the save at `stop_after` (as a job killed after a checkpoint would) and may
+resume from its run folder. Each case reports its per-step losses and the dataset sample ids all ranks
+consumed at each step. Cases of the same world size run in turn inside one torchrun launch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from meshloom.tools.parity import Layout, base_overrides, torchrun
+
+
+class _Stop(Exception):
+    """Raised right after the checkpoint at stop_after is committed."""
+
+
+@dataclass
+class Case:
+    name: str
+    run_dir: str
+    layout: str = ""  # parity layout spec, e.g. "dp_shard=2,tp=2"; "" = one process
+    steps: int = 10
+    stop_after: int | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return Layout.parse(self.layout).world_size
+
+    def argv(self, workdir: Path) -> list[str]:
+        layout = Layout.parse(self.layout)
+        return (
+            base_overrides(self.steps, workdir)
+            + ["--training.deterministic", "true", "--job.dump_folder", self.run_dir]
+            + layout.overrides()
+            + self.overrides
+        )
+
+
+@dataclass
+class CaseResult:
+    losses: list[float]
+    sample_ids: list[list[int]]  # per step, over all data-parallel ranks, sorted
+
+
+def run_case(case: Case, workdir: Path) -> CaseResult:
+    """Train this case in this process (one rank of a launch, or alone)."""
+    import torch.distributed as dist
+
+    from meshloom.config.loader import load_config
+    from meshloom.train.trainer import Trainer
+
+    trainer = Trainer(load_config(case.argv(workdir)))
+    consumed: list[list[int]] = []
+    loader_next = trainer.data.train.next_batch
+
+    def recording_next_batch():
+        batch = loader_next()
+        consumed.append(batch.sample_ids.tolist())
+        return batch
+
+    trainer.data.train.next_batch = recording_next_batch
+    losses: list[float] = []
+    train_step = trainer.train_step
+
+    def recording_train_step():
+        result = train_step()
+        losses.append(result.loss)
+        return result
+
+    trainer.train_step = recording_train_step
+    save = trainer.checkpointer.maybe_save
+
+    def save_then_maybe_stop() -> None:
+        save()
+        if trainer.step == case.stop_after:
+            trainer.checkpointer.wait()
+            raise _Stop
+
+    trainer.checkpointer.maybe_save = save_then_maybe_stop
+    try:
+        trainer.train()
+    except _Stop:
+        trainer.logger.close()
+    if dist.is_initialized():
+        everyone: list[list[list[int]]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, consumed)
+    else:
+        everyone = [consumed]
+    per_step = [sorted(set().union(*(rank_ids[i] for rank_ids in everyone))) for i in range(len(consumed))]
+    return CaseResult(losses, per_step)
+
+
+def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:
+    """Run multi-rank cases, one torchrun per world size, in the given order within each."""
+    by_world: dict[int, list[Case]] = defaultdict(list)
+    for case in cases:
+        by_world[case.world_size].append(case)
+    results: dict[str, CaseResult] = {}
+    for world_size, group in sorted(by_world.items()):
+        cases_file = workdir / f"resume_cases_{world_size}.json"
+        out_file = workdir / f"resume_results_{world_size}.json"
+        cases_file.write_text(json.dumps([asdict(c) for c in group]))
+        torchrun("meshloom.tools.resume_cases", world_size, ["--worker", str(cases_file), str(out_file), str(workdir)])
+        results.update({name: CaseResult(**data) for name, data in json.loads(out_file.read_text()).items()})
+    return results
+
+
+def worker(cases_file: Path, out_file: Path, workdir: Path) -> None:
+    from meshloom.parallel.distributed import rank, shutdown_and_exit
+
+    results = {}
+    for spec in json.loads(cases_file.read_text()):
+        case = Case(**spec)
+        results[case.name] = asdict(run_case(case, workdir))
+    if rank() == 0:
+        out_file.write_text(json.dumps(results))
+    shutdown_and_exit(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--worker"]:
+        sys.exit("usage: python -m meshloom.tools.resume_cases --worker CASES.json OUT.json WORKDIR")
+    worker(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
