@@ -170,6 +170,10 @@ class ParallelismConfig:
     cp: int = 1
     """Context-parallel degree (sequence split across ranks)."""
 
+    cp_load_balance: bool = True
+    """With cp > 1: split each sequence head-tail (rank r holds chunks r and 2*cp-1-r of 2*cp), which gives every
+    rank equal causal-attention work; false = cp contiguous chunks. training.seq_len must divide into the chunks."""
+
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models only)."""
 

@@ -17,6 +17,7 @@ from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.observe.logging import MetricLogger
+from meshloom.parallel.context import batch_sharder
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import init_distributed, rank, share_error
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
@@ -62,8 +63,6 @@ class Trainer:
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         a = self.model_args
         self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
-        if self.dims.cp > 1:
-            raise ConfigError("parallelism.cp > 1 is not available in this version; set cp = 1")
         pipeline_plan = None
         if self.dims.pp > 1:
             pipeline_plan = plan_pipeline(config, self.dims, a)
@@ -73,6 +72,8 @@ class Trainer:
             self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
         else:
             self.dp_rank, self.dp_size = 0, 1
+        # Context parallel: every rank of a cp group reads the same samples and keeps its shard of each sequence.
+        self.shard_batch = batch_sharder(self.dims, config.parallelism.cp_load_balance)
         self.grad_accum_steps = self._grad_accum_steps()
 
         seed_everything(tc.seed, tc.deterministic)
@@ -180,7 +181,7 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         sample_ids: list[int] = []
         for micro in range(self.grad_accum_steps):
-            batch = self.data.train.next_batch()
+            batch = self.shard_batch(self.data.train.next_batch())
             sample_ids += batch.sample_ids.tolist()
             if self.pipeline is not None:
                 total_loss += self.pipeline.train_step(batch.inputs, batch.labels, batch.document_ids, self.grad_accum_steps)
@@ -226,7 +227,7 @@ class Trainer:
         self.model.eval()
         losses = []
         for _ in range(self.config.validation.steps):
-            batch = loader.next_batch()
+            batch = self.shard_batch(loader.next_batch())
             if self.pipeline is not None:
                 loss = self.pipeline.eval_loss(batch.inputs, batch.labels, batch.document_ids)
             else:
