@@ -24,7 +24,7 @@ from meshloom.checkpoint.hf import (
 )
 from meshloom.checkpoint.safe_read import METADATA_FILE
 from meshloom.config.loader import load_config
-from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.parallel.distributed import world_size_from_env
 from meshloom.train.model_setup import build_model
 
@@ -45,7 +45,7 @@ def seed_checkpoint(argv: list[str]) -> Path:
     if complete:
         raise ValueError(f"{root} already holds checkpoints (up to step {complete[-1].step}); choose another job.dump_folder")
     spec = get_model_spec(config.model.name)
-    args = get_model_args(config.model.name, config.model.flavor)
+    args = configured_model_args(config.model)
     torch.manual_seed(config.training.seed)
     model = build_model(spec, args, None, config, torch.device("cpu"))
     return save_weights(model, folders.step_dir(root, 0), config.model.name, args, config)

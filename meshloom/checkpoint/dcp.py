@@ -41,7 +41,7 @@ from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, Rng
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.llama3 import hf as llama_hf
-from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.parallel.distributed import rank
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
@@ -104,7 +104,7 @@ class Checkpointer:
 
     def _precheck(self, complete: list[CheckpointInfo]) -> None:
         """Compare what will be loaded with the configured model's shapes before anything heavy is built."""
-        args = get_model_args(self.config.model.name, self.config.model.flavor)
+        args = configured_model_args(self.config.model)
         if isinstance(self.initial, HFFolder):
             differences = llama_hf.shape_differences(args, self.initial.args)
             if differences:

@@ -27,6 +27,9 @@ class ModelConfig:
     flavor: str = "debug"
     """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B)."""
 
+    n_layers: int = 0
+    """Number of transformer blocks, overriding the flavour's; 0 keeps the flavour's value."""
+
 
 @dataclass
 class TrainingConfig:
@@ -167,6 +170,10 @@ class ParallelismConfig:
     cp: int = 1
     """Context-parallel degree (sequence split across ranks)."""
 
+    cp_load_balance: bool = True
+    """With cp > 1: split each sequence head-tail (rank r holds chunks r and 2*cp-1-r of 2*cp), which gives every
+    rank equal causal-attention work; false = cp contiguous chunks. training.seq_len must divide into the chunks."""
+
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models only)."""
 
@@ -186,6 +193,26 @@ class ParallelismConfig:
     """full: each rank initialises the whole model from training.seed, then shards it, so any layout starts from
     the 1-process weights; sharded: build on meta and initialise only local shards (large models);
     auto: full below 2B parameters."""
+
+
+@dataclass
+class PipelineConfig:
+    schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"
+    """Pipeline schedule when parallelism.pp > 1 (torch.distributed.pipelining); ZBVZeroBubble and DualPipeV
+    place two stages per rank in a V."""
+
+    microbatches: int = 0
+    """Microbatches each pipeline step splits training.local_batch_size into (must divide it);
+    0 = local_batch_size, one sequence per microbatch."""
+
+    stages_per_rank: int = 0
+    """Model stages on each pipeline rank; 0 = 1 for GPipe and 1F1B, 2 for the others (V schedules need exactly 2)."""
+
+    split_points: str = ""
+    """Layers that start a new stage, comma-separated, by index or name (e.g. "3,6" or "layers.3,layers.6"),
+    pp x stages_per_rank - 1 of them; empty = split the layers evenly."""
 
 
 @dataclass
@@ -259,6 +286,7 @@ class Config:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -5,6 +5,14 @@ from __future__ import annotations
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
 
+# Attention mask kinds the context-parallel ring attention implements (a document mask is not one yet).
+CONTEXT_PARALLEL_MASKS = ("causal",)
+
+
+def attention_mask_kind(config: Config) -> str:
+    """The attention mask a run asks for: "document" with data.document_mask, else "causal"."""
+    return "document" if config.data.document_mask else "causal"
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -41,3 +49,26 @@ def validate(config: Config) -> None:
         value = getattr(par, name)
         _require(value >= 1, f"parallelism.{name} must be >= 1, got {value}")
     _require(par.dp_shard == -1 or par.dp_shard >= 1, f"parallelism.dp_shard must be >= 1 or -1 (infer), got {par.dp_shard}")
+    _require(config.model.n_layers >= 0, f"model.n_layers must be >= 0 (0 = the flavour's), got {config.model.n_layers}")
+    for name in ("microbatches", "stages_per_rank"):
+        value = getattr(config.pipeline, name)
+        _require(value >= 0, f"pipeline.{name} must be >= 0 (0 = automatic), got {value}")
+    if par.cp > 1:
+        _check_context_parallel(config)
+
+
+def _check_context_parallel(config: Config) -> None:
+    cp, seq_len, mask = config.parallelism.cp, config.training.seq_len, attention_mask_kind(config)
+    _require(
+        mask in CONTEXT_PARALLEL_MASKS,
+        f"parallelism.cp={cp} supports the {' and '.join(CONTEXT_PARALLEL_MASKS)} attention mask only, not the {mask} "
+        "mask that data.document_mask = true asks for; set parallelism.cp = 1 or data.document_mask = false",
+    )
+    balanced = config.parallelism.cp_load_balance
+    chunks = 2 * cp if balanced else cp
+    _require(
+        seq_len % chunks == 0,
+        f"training.seq_len={seq_len} must be divisible by {'2 x ' if balanced else ''}parallelism.cp = {chunks} "
+        f"({'load-balanced split' if balanced else 'contiguous split'}); use a multiple of {chunks}"
+        + (" or set parallelism.cp_load_balance = false" if balanced else ""),
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -56,6 +57,12 @@ def get_model_args(name: str, flavor: str) -> Any:
     if flavor not in spec.flavors:
         raise _unknown("model.flavor", flavor, list(spec.flavors), f" for model.name {name!r}")
     return copy.deepcopy(spec.flavors[flavor])
+
+
+def configured_model_args(model: Any) -> Any:
+    """The args a `[model]` config section describes: its flavour's, with n_layers overridden when set."""
+    args = get_model_args(model.name, model.flavor)
+    return dataclasses.replace(args, n_layers=model.n_layers) if model.n_layers else args
 
 
 register_model(

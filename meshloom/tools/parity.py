@@ -77,22 +77,28 @@ class Layout:
         bf16 = "bf16" in (self.settings.get("mixed_precision"), self.settings.get("training.mixed_precision"))
         return BF16_TOLERANCE if bf16 else FP32_TOLERANCE
 
-    def overrides(self, global_batch: int = 8) -> list[str]:
+    def setting_args(self) -> list[str]:
         """Bare keys are parallelism settings (mixed_precision is training's); dotted keys are any setting."""
-        args = ["--parallelism.dp_shard", self.settings.get("dp_shard", "1")]
+        args = []
         for key, value in self.settings.items():
-            if key == "dp_shard":
-                continue
             if "." not in key:
                 key = f"{'training' if key in TRAINING_KEYS else 'parallelism'}.{key}"
             args += [f"--{key}", value]
-        return args + ["--training.local_batch_size", str(global_batch // self.dp)]
+        return args
+
+    def overrides(self, global_batch: int = 8) -> list[str]:
+        """The layout's settings; the batch is split over its data-parallel ranks unless it sets local_batch_size."""
+        dp_shard = ["--parallelism.dp_shard", "1"] if "dp_shard" not in self.settings else []
+        local_batch = [] if "training.local_batch_size" in self.settings else ["--training.local_batch_size", str(global_batch // self.dp)]
+        return dp_shard + self.setting_args() + local_batch
 
 
 @dataclass
 class Curve:
     losses: list[float]
     grad_norms: list[float]
+    # Held-out loss after the last step; None unless the run enables validation.
+    validation: float | None = None
 
 
 def run_steps(argv: list[str]) -> Curve:
@@ -102,7 +108,7 @@ def run_steps(argv: list[str]) -> Curve:
 
     trainer = Trainer(load_config(argv))
     results = [trainer.train_step() for _ in range(trainer.config.training.steps)]
-    return Curve([r.loss for r in results], [r.grad_norm for r in results])
+    return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate())
 
 
 def torchrun(module: str, world_size: int, args: list[str]) -> None:
@@ -117,7 +123,7 @@ def torchrun(module: str, world_size: int, args: list[str]) -> None:
         raise RuntimeError(f"launch of {module} on {world_size} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
-def launch(layouts: list[Layout], steps: int, workdir: Path) -> dict[str, Curve]:
+def launch(layouts: list[Layout], steps: int, workdir: Path, common: list[str] | None = None) -> dict[str, Curve]:
     """One torchrun per world size; every layout of that size runs in turn inside it."""
     by_world: dict[int, list[Layout]] = defaultdict(list)
     for layout in layouts:
@@ -126,6 +132,7 @@ def launch(layouts: list[Layout], steps: int, workdir: Path) -> dict[str, Curve]
     for world_size, group in sorted(by_world.items()):
         cases = {
             layout.spec: base_overrides(steps, workdir)
+            + (common or [])
             + layout.overrides()
             + ["--job.dump_folder", str(workdir / f"run_{i}_{world_size}")]
             for i, layout in enumerate(group)
@@ -161,12 +168,16 @@ class Comparison:
         return self.max_loss_diff <= self.layout.tolerance and self.grad_norm_diff <= self.layout.tolerance
 
 
-def compare(layout_specs: list[str], steps: int = 10, workdir: Path | None = None) -> tuple[Curve, list[Comparison]]:
+def compare(
+    layout_specs: list[str], steps: int = 10, workdir: Path | None = None, common: str = ""
+) -> tuple[Curve, list[Comparison]]:
+    """`common` settings (e.g. "model.n_layers=4") apply to the reference and every layout alike."""
     layouts = [Layout.parse(spec) for spec in layout_specs]
+    common_args = Layout.parse(common).setting_args()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="meshloom-parity-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    reference = run_steps(base_overrides(steps, workdir) + ["--job.dump_folder", str(workdir / "reference")])
-    curves = launch(layouts, steps, workdir)
+    reference = run_steps(base_overrides(steps, workdir) + common_args + ["--job.dump_folder", str(workdir / "reference")])
+    curves = launch(layouts, steps, workdir, common_args)
     comparisons = []
     for layout in layouts:
         curve = curves[layout.spec]
@@ -202,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(prog="meshloom parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", action="append", required=True, help="e.g. dp_shard=2,tp=2 (repeatable)")
+    parser.add_argument("--common", default="", help="settings for the reference and every layout, e.g. model.n_layers=4")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
     args = parser.parse_args(argv)
-    reference, comparisons = compare(args.layout, args.steps, args.workdir)
+    reference, comparisons = compare(args.layout, args.steps, args.workdir, args.common)
     print(f"{'layout':<40} {'ranks':>5} {'max |dloss|':>12} {'|dgrad_norm|':>13} {'tolerance':>10}  result")
     for c in comparisons:
         print(

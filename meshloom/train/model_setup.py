@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+from torch.distributed.tensor import _random as dtensor_random
 
 from meshloom.config.schema import Config
 from meshloom.models.registry import ModelSpec
 from meshloom.parallel.dims import ParallelDims
+from meshloom.parallel.pipeline import PipelinePlan, carve_stage
 
 # Below this size every rank can afford the whole fp32 model once, which makes weights layout-independent.
 FULL_INIT_MAX_PARAMS = 2_000_000_000
@@ -19,6 +23,13 @@ def _init(model: nn.Module, seed: int) -> None:
         model.init_weights()
 
 
+def _init_mode(model: nn.Module, config: Config) -> str:
+    mode = config.parallelism.init
+    if mode == "auto":
+        mode = "full" if model.num_params() <= FULL_INIT_MAX_PARAMS else "sharded"
+    return mode
+
+
 def build_model(spec: ModelSpec, args, dims: ParallelDims | None, config: Config, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = spec.model_cls(args)
@@ -28,9 +39,7 @@ def build_model(spec: ModelSpec, args, dims: ParallelDims | None, config: Config
         _init(model, seed)
         return model
 
-    mode = config.parallelism.init
-    if mode == "auto":
-        mode = "full" if model.num_params() <= FULL_INIT_MAX_PARAMS else "sharded"
+    mode = _init_mode(model, config)
     assert spec.parallelize_fn is not None, f"{spec.name} has no parallelize function"
     if mode == "full":
         # Same RNG stream as one process; parallelize then keeps only each rank's shard of it.
@@ -41,3 +50,66 @@ def build_model(spec: ModelSpec, args, dims: ParallelDims | None, config: Config
     model.to_empty(device=device)
     _init(model, seed)
     return model
+
+
+def model_num_params(spec: ModelSpec, args, exclude_embedding: bool = False) -> int:
+    """Parameter count of the whole model, whatever part of it this rank holds (built on meta: no memory)."""
+    with torch.device("meta"):
+        return spec.model_cls(args).num_params(exclude_embedding=exclude_embedding)
+
+
+def build_pipeline_stages(
+    spec: ModelSpec, args, dims: ParallelDims, config: Config, device: torch.device, plan: PipelinePlan, stage_ids: list[int]
+) -> list[nn.Module]:
+    """This rank's pipeline stages: each built on meta with only its own layers, then parallelized like a whole model.
+
+    init "full" (below FULL_INIT_MAX_PARAMS): the whole model is initialised once from training.seed, exactly as one
+    process would, and each stage copies its part before being parallelized, so every layout starts from the same
+    weights. "sharded": each stage initialises only its own (sharded) part, seeded with training.seed + stage index
+    so that stages differ from each other while the ranks of one stage agree; the weights then differ from one
+    process's, which is the price of never holding the whole model.
+    """
+    assert spec.parallelize_fn is not None, f"{spec.name} has no parallelize function"
+    reshard = plan.fsdp_reshard_after_forward
+    config = dataclasses.replace(config, parallelism=dataclasses.replace(config.parallelism, fsdp_reshard_after_forward=reshard))
+    with torch.device("meta"):
+        whole = spec.model_cls(args)
+    full_init = _init_mode(whole, config) == "full"
+    if full_init:
+        whole.to_empty(device=device)
+        _init(whole, config.training.seed)
+    else:
+        _unsynced_dtensor_rng(dims)
+    stages = []
+    for stage in stage_ids:
+        with torch.device("meta"):
+            module = spec.model_cls(args)
+        carve_stage(module, plan.stage_layers[stage], first=stage == 0, last=stage == plan.num_stages - 1)
+        if full_init:
+            module.to_empty(device=device)
+            _copy_part(whole, module)
+            stages.append(spec.parallelize_fn(module, dims, config))
+        else:
+            module = spec.parallelize_fn(module, dims, config)
+            module.to_empty(device=device)
+            _init(module, config.training.seed + stage)
+            stages.append(module)
+    return stages
+
+
+def _unsynced_dtensor_rng(dims: ParallelDims) -> None:
+    """Create DTensor's RNG tracker now, without its default start-up sync: created lazily by the first random
+    DTensor op, it would copy rank 0's RNG state to every rank, and every stage would get the same weights."""
+    if not torch.distributed.is_initialized():
+        return
+    world = dims.mesh("world")
+    if dtensor_random.is_rng_supported_mesh(world):  # CUDA-like devices only; CPU has no tracker
+        dtensor_random.manual_seed(torch.initial_seed(), world)
+
+
+@torch.no_grad()
+def _copy_part(whole: nn.Module, part: nn.Module) -> None:
+    """Copy every parameter and buffer of `part` from the same-named one of `whole`."""
+    source = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+        tensor.copy_(source[name])

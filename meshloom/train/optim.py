@@ -32,3 +32,32 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.dev
         fused=implementation == "fused",
         foreach=implementation == "foreach",
     )
+
+
+class OptimizerGroup(torch.optim.Optimizer):
+    """Several optimizers stepped as one, e.g. one per pipeline stage so that a checkpoint can pair each stage with
+    its own optimizer state. An LR scheduler built on the group sets the learning rate of all of them."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        # Optimizer.__init__ is not called: it would keep its own list of param groups, but loading a state dict
+        # replaces an optimizer's group dicts, so the groups are read from the optimizers on every access.
+        self.optimizers = optimizers
+        self.defaults: dict = {}
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self, closure=None) -> None:  # noqa: ARG002 (closures are not supported)
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("an OptimizerGroup has no state of its own; save each of its optimizers with its model part")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise NotImplementedError("an OptimizerGroup has no state of its own; load each of its optimizers with its model part")

@@ -15,18 +15,21 @@ from meshloom.checkpoint.dcp import Checkpointer
 from meshloom.config.loader import ConfigError, to_dict
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
-from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.observe.logging import MetricLogger
+from meshloom.parallel.context import batch_sharder
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import init_distributed, rank, share_error
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
+from meshloom.parallel.pipeline import plan_pipeline
 from meshloom.parallel.tensor import local_value, loss_parallel_context
 from meshloom.observe.metrics import Throughput, flops_per_token, peak_flops_per_second, peak_memory_bytes
 from meshloom.train.loss import cross_entropy_loss
 from meshloom.train.lr import build_lr_scheduler
-from meshloom.train.model_setup import build_model
+from meshloom.train.model_setup import build_model, model_num_params
+from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
 from meshloom.train.nonfinite import NonFiniteError, drop_gradients, is_finite, write_dump
-from meshloom.train.optim import build_optimizer
+from meshloom.train.optim import OptimizerGroup, build_optimizer
 from meshloom.train.runtime import seed_everything, select_device
 
 
@@ -47,7 +50,7 @@ class Trainer:
 
         # Cheap checks first: nothing heavy is built until the whole setup is known to be valid.
         spec = get_model_spec(config.model.name)
-        self.model_args = get_model_args(config.model.name, config.model.flavor)
+        self.model_args = configured_model_args(config.model)
         if tc.seq_len > self.model_args.max_seq_len:
             raise ConfigError(
                 f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len="
@@ -60,15 +63,17 @@ class Trainer:
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         a = self.model_args
         self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
-        for name in ("pp", "cp"):
-            if getattr(self.dims, name) > 1:
-                raise ConfigError(f"parallelism.{name} > 1 is not available in this version; set {name} = 1")
+        pipeline_plan = None
+        if self.dims.pp > 1:
+            pipeline_plan = plan_pipeline(config, self.dims, a)
         if self.dims.is_distributed:
             self.dims.build_mesh(self.device.type)
             dp_mesh = self.dims.mesh("dp")
             self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
         else:
             self.dp_rank, self.dp_size = 0, 1
+        # Context parallel: every rank of a cp group reads the same samples and keeps its shard of each sequence.
+        self.shard_batch = batch_sharder(self.dims, config.parallelism.cp_load_balance)
         self.grad_accum_steps = self._grad_accum_steps()
 
         seed_everything(tc.seed, tc.deterministic)
@@ -78,11 +83,22 @@ class Trainer:
                 f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but the {config.model.flavor} model's "
                 f"vocab_size is {a.vocab_size}; lower data.vocab_size or pick a larger model.flavor"
             )
-        self.model = build_model(spec, a, self.dims, config, self.device)
-        self.fsdp = isinstance(self.model, FSDPModule)
+        self.pipeline: PipelineRunner | None = None
+        if pipeline_plan is not None:
+            self.pipeline = build_pipeline(spec, a, self.dims, config, self.device, pipeline_plan, self._compute_context)
+            self.model = self.pipeline.model
+        else:
+            self.model = build_model(spec, a, self.dims, config, self.device)
+        self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
         self.loss_parallel = self.dims.tp > 1 and config.parallelism.loss_parallel
 
-        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        if self.pipeline is not None:
+            # One optimizer per stage: checkpoints pair each stage (model part) with its optimizer state.
+            self.model_parts = list(self.model)
+            self.optimizers = [build_optimizer(part, config.optimizer, self.device) for part in self.model_parts]
+            self.optimizer = OptimizerGroup(self.optimizers)
+        else:
+            self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, tc.steps)
         self.step = 0
 
@@ -90,7 +106,7 @@ class Trainer:
         self.checkpointer.load(self)  # resume, or an initial load of weights
         self.throughput = Throughput(
             flops_per_token(
-                self.model.num_params(exclude_embedding=True),
+                model_num_params(spec, a, exclude_embedding=True),
                 self.model_args.n_layers,
                 self.model_args.n_heads,
                 self.model_args.head_dim,
@@ -145,6 +161,13 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        """Where forward and backward run: autocast (bf16 without FSDP) and loss parallel (TP)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._autocast())
+        stack.enter_context(loss_parallel_context(self.loss_parallel))
+        return stack
+
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         # Document ids (data.document_mask) go by keyword, and only when present.
         masks = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
@@ -158,8 +181,11 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         sample_ids: list[int] = []
         for micro in range(self.grad_accum_steps):
-            batch = self.data.train.next_batch()
+            batch = self.shard_batch(self.data.train.next_batch())
             sample_ids += batch.sample_ids.tolist()
+            if self.pipeline is not None:
+                total_loss += self.pipeline.train_step(batch.inputs, batch.labels, batch.document_ids, self.grad_accum_steps)
+                continue
             if self.fsdp:
                 # Reduce gradients once per step, not once per microbatch.
                 self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
@@ -171,7 +197,8 @@ class Trainer:
             # Each data-parallel rank saw different samples: report the global mean.
             dist.all_reduce(total_loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
 
-        grad_norm_tensor = global_grad_norm(self.model.parameters())
+        pp_mesh = self.dims.mesh("pp") if self.pipeline is not None else None
+        grad_norm_tensor = global_grad_norm(self.model.parameters(), pp_mesh)
         grad_norm = float(grad_norm_tensor)
         loss_value = float(total_loss)
         lr = self.lr_scheduler.get_last_lr()[0]
@@ -200,9 +227,12 @@ class Trainer:
         self.model.eval()
         losses = []
         for _ in range(self.config.validation.steps):
-            batch = loader.next_batch()
-            with loss_parallel_context(self.loss_parallel):
-                loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
+            batch = self.shard_batch(loader.next_batch())
+            if self.pipeline is not None:
+                loss = self.pipeline.eval_loss(batch.inputs, batch.labels, batch.document_ids)
+            else:
+                with loss_parallel_context(self.loss_parallel):
+                    loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
             loss = local_value(loss)
             if self.dims.is_distributed:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())

@@ -12,6 +12,10 @@ torch.distributed.  A few choices exist only to make that possible:
   entries deleted from ``layers``) to cut the model into pipeline stages.
 * ``init_weights()`` initialises every parameter and buffer explicitly, so a
   model built on the meta device can be materialised with ``to_empty()``.
+* ``Attention.core`` (the attention kernel) may be replaced, and
+  ``Transformer.forward`` takes optional RoPE ``positions``, so context
+  parallel can run attention over a sequence shard whose tokens are not
+  contiguous.
 
 Packed sequences may carry ``document_ids`` [b, s]: attention then stays
 inside each document (see ``causal_attention``).
@@ -221,11 +225,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Swappable from outside (context parallel puts a ring over the sequence shards here).
+        self.core = causal_attention
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
+        # The RoPE tables are cut to length here, where the sequence is whole: between blocks it may be
+        # sequence-sharded (tensor parallel), as in the input of a later pipeline stage.
+        cos, sin = cos[:s], sin[:s]
         # -1 heads: under tensor parallel each rank sees only its local heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
@@ -239,7 +248,7 @@ class Attention(nn.Module):
             # every SDPA backend and with sharded tensors.
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = causal_attention(q, k, v, document_ids)
+        out = self.core(q, k, v, document_ids)
         out = out.transpose(1, 2).contiguous().view(b, s, -1)
         return self.wo(out)
 
@@ -377,11 +386,15 @@ class Transformer(nn.Module):
             if self.output is not None:
                 _trunc_normal(self.output.weight, args.dim**-0.5)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a later pipeline stage).
 
         document_ids [b, s] (optional): equal ids mark tokens of one document;
         attention then never crosses a document boundary.
+        positions [s] (optional): the RoPE position of each token, for a
+        sequence shard whose tokens are not 0..s-1 (context parallel).
         Returns float32 logits [b, s, vocab], or hidden states when this stage
         has no output projection.
         """
@@ -391,7 +404,11 @@ class Transformer(nn.Module):
                 f"sequence length {seq_len} exceeds the model's max_seq_len "
                 f"{self.rope_cos.shape[0]}; shorten the sequences or raise max_seq_len"
             )
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        # Whole tables by default (each attention cuts them to its sequence length); a shard's own rows otherwise.
+        if positions is None:
+            cos, sin = self.rope_cos, self.rope_sin
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
 
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():

@@ -1,4 +1,4 @@
-"""The one place where parallelism is applied to Llama 3, in a fixed order: TP/SP, AC, compile, FSDP."""
+"""The one place where parallelism is applied to Llama 3, in a fixed order: TP/SP, CP, AC, compile, FSDP."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshloom.config.schema import Config
 from meshloom.models.llama3.model import Transformer
+from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.fsdp import apply_fsdp
 
@@ -56,10 +57,21 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, loss_parallel: bool) -> N
         parallelize_module(block, tp_mesh, block_plan)
 
 
+def apply_context_parallel(model: Transformer, cp_mesh, layout: SequenceLayout, seq_len: int) -> None:
+    """Ring attention over the cp group in every block, and RoPE positions of this rank's sequence shard."""
+    core = RingAttentionCore(cp_mesh.get_group(), layout)
+    for block in model.layers.values():
+        block.attention.core = core
+    model.register_forward_pre_hook(positions_hook(layout, cp_mesh.get_local_rank(), seq_len), with_kwargs=True)
+
+
 def parallelize_llama3(model: Transformer, dims: ParallelDims, config: Config) -> Transformer:
     par = config.parallelism
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel)
+    if dims.cp > 1:
+        layout = SequenceLayout(dims.cp, par.cp_load_balance)
+        apply_context_parallel(model, dims.mesh("cp"), layout, config.training.seq_len)
     # Activation checkpointing and compile wrap each block here, between TP and FSDP (their modes come later).
     if dims.fsdp_enabled or dims.dp_replicate > 1:
         param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
