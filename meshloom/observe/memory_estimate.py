@@ -244,8 +244,10 @@ def estimate_memory(
     precision: Precision = Precision(),
     loss_parallel: bool = True,
     with_optimizer: bool = True,
+    stage_index: int | None = None,
 ) -> MemoryEstimate:
-    """Per-rank memory of the busiest rank of `layout` training `args` on `seq_len`-token sequences."""
+    """Per-rank memory of the busiest rank of `layout` training `args` on `seq_len`-token sequences
+    (or of the ranks of pipeline stage `stage_index`)."""
     tokens = layout.microbatch_size * seq_len / layout.cp
     a = precision.compute_bytes
     fsdp = layout.fsdp
@@ -255,7 +257,8 @@ def estimate_memory(
     block_gathered = local_numel(block, layout.tp, 1)
 
     best: MemoryEstimate | None = None
-    for stage in pipeline_stages(args, layout):
+    stages = pipeline_stages(args, layout)
+    for stage in stages if stage_index is None else [stages[stage_index]]:
         roots = root_param_shapes(args, stage.first, stage.last)
         param_elems = stage.layers * local_numel(block, layout.tp, fsdp) + local_numel(roots, layout.tp, fsdp)
         full_elems = stage.layers * block_gathered + local_numel(roots, layout.tp, 1)  # unsharded over FSDP

@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
-from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.observe.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
 from meshloom.observe.memory_estimate import GIB, MemoryEstimate, estimate_memory
 from meshloom.parallel.dims import ParallelDims
+from meshloom.parallel.pipeline import PipelinePlan, carve_stage, plan_pipeline
 from meshloom.tools.layout_config import layout_from_config, precision_from_config
 
 
@@ -29,6 +30,7 @@ class DryRunReport:
     world_size: int
     layout: str
     built_param_bytes: int
+    rank_params: int  # the estimator's figure for the simulated rank (the first pipeline stage)
     memory: MemoryEstimate
     model_flops: float
     executed_flops: float
@@ -40,13 +42,13 @@ class DryRunReport:
         lines = [
             f"dry run: rank 0 of {self.world_size} ({self.layout}), simulated in {self.seconds:.1f} s",
             f"  parameters (built shards)  {self.built_param_bytes / GIB:10.2f} GiB",
-            f"  parameters (estimate)      {m.params / GIB:10.2f} GiB",
+            f"  parameters (estimate)      {self.rank_params / GIB:10.2f} GiB",
             f"  gradients                  {m.grads / GIB:10.2f} GiB",
             f"  optimizer state            {m.optimizer / GIB:10.2f} GiB",
             f"  gathered weights           {m.gathered / GIB:10.2f} GiB",
             f"  activations                {m.activations / GIB:10.2f} GiB",
             f"  transient                  {m.transient / GIB:10.2f} GiB",
-            f"  peak (busiest stage)       {m.peak / GIB:10.2f} GiB",
+            f"  peak                       {m.peak / GIB:10.2f} GiB (busiest pipeline stage)",
             f"  FLOPs per step             {self.model_flops:10.3e} model, {self.executed_flops:.3e} executed",
             "  communication per step (bytes sent by this rank):",
         ]
@@ -68,12 +70,13 @@ def dry_run(config: Config, world_size: int) -> DryRunReport:
         raise ConfigError(f"--world-size must be a positive number of ranks, got {world_size}")
     start = time.perf_counter()
     spec = get_model_spec(config.model.name)
-    args = get_model_args(config.model.name, config.model.flavor)
+    args = configured_model_args(config.model)
     tc = config.training
     if tc.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len={args.max_seq_len}")
     dims = ParallelDims.from_config(config.parallelism, world_size)
     dims.check_model(args.n_heads, args.kv_heads, args.vocab_size, args.ffn_hidden_dim, args.n_layers)
+    pipeline_plan = plan_pipeline(config, dims, args) if dims.pp > 1 else None
     layout = layout_from_config(config, world_size)
     precision = precision_from_config(config)
 
@@ -84,27 +87,36 @@ def dry_run(config: Config, world_size: int) -> DryRunReport:
         dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         with torch.device("meta"):
-            model = spec.model_cls(args)
+            parts = [spec.model_cls(args)]
         if dims.is_distributed:
             dims.build_mesh("cpu")
-            model = _parallelize(spec, model, dims, config)
-        built = _local_bytes(model)
+            parts = _parallelize(spec, args, dims, config, pipeline_plan)
+        built = sum(_local_bytes(part) for part in parts)
     finally:
         if own_group:
             dist.destroy_process_group()
     memory = estimate_memory(args, layout, tc.seq_len, precision, config.parallelism.loss_parallel)
     model_flops, executed_flops = step_flops(args, layout, tc.seq_len)
     comm = step_comm_bytes(args, layout, tc.seq_len, precision)
+    rank_params = estimate_memory(args, layout, tc.seq_len, precision, stage_index=0).params
     return DryRunReport(
-        world_size, layout.describe(), built, memory, model_flops, executed_flops, comm, time.perf_counter() - start
+        world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm, time.perf_counter() - start
     )
 
 
-def _parallelize(spec, model, dims: ParallelDims, config: Config):
-    """The trainer's parallelize function; pipeline stages are carved out first where this version has them."""
-    if dims.pp > 1:
-        raise ConfigError("the dry run of parallelism.pp > 1 needs pipeline support; set pp = 1")
-    return spec.parallelize_fn(model, dims, config)
+def _parallelize(spec, args, dims: ParallelDims, config: Config, plan: PipelinePlan | None) -> list[torch.nn.Module]:
+    """What the trainer builds on this rank: the parallelized model, or pipeline rank 0's stages (each carved
+    out of a meta model and parallelized like a whole one, as `build_pipeline_stages` does)."""
+    if plan is None:
+        with torch.device("meta"):
+            return [spec.parallelize_fn(spec.model_cls(args), dims, config)]
+    stages = []
+    for stage in plan.stages_of(0):
+        with torch.device("meta"):
+            module = spec.model_cls(args)
+        carve_stage(module, plan.stage_layers[stage], first=stage == 0, last=stage == plan.num_stages - 1)
+        stages.append(spec.parallelize_fn(module, dims, config))
+    return stages
 
 
 def split_dry_run_args(argv: list[str]) -> tuple[int, list[str]]:

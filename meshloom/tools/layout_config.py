@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
 from meshloom.observe.memory_estimate import AC_MODES, Layout, Precision
@@ -56,6 +58,13 @@ def precision_from_config(config: Config) -> Precision:
     return Precision(config.training.mixed_precision, reduce_bytes)
 
 
+def available_ac_modes() -> tuple[str, ...]:
+    """Checkpointing modes a run of this version can be configured with (none, without an
+    [activation_checkpoint] section)."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    return AC_MODES if "activation_checkpoint" in names else ("none",)
+
+
 def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
     """TOML sections that make a run use `layout` (global batch = microbatch size x microbatches x dp)."""
     settings: dict[str, dict[str, object]] = {
@@ -67,8 +76,9 @@ def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
             "cp": layout.cp,
         },
         "training": {"global_batch_size": layout.microbatch_size * layout.microbatches * layout.dp},
-        "activation_checkpoint": {"mode": layout.ac},
     }
+    if len(available_ac_modes()) > 1:
+        settings["activation_checkpoint"] = {"mode": layout.ac}
     if layout.pp > 1:
         settings["training"]["local_batch_size"] = layout.microbatch_size * layout.microbatches
         settings["pipeline"] = {"schedule": layout.pipeline_schedule, "microbatches": layout.microbatches}

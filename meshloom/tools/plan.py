@@ -19,8 +19,8 @@ from pathlib import Path
 from meshloom.config.loader import ConfigError
 from meshloom.models.registry import get_model_args
 from meshloom.observe.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
-from meshloom.observe.memory_estimate import AC_MODES, GIB, Layout, MemoryEstimate, Precision, estimate_memory
-from meshloom.tools.layout_config import layout_settings
+from meshloom.observe.memory_estimate import GIB, Layout, MemoryEstimate, Precision, estimate_memory
+from meshloom.tools.layout_config import available_ac_modes, layout_settings
 
 # Per-GPU bus bandwidth in bytes/s: (inside a node, between nodes).
 INTERCONNECTS: dict[str, tuple[float, float]] = {
@@ -109,7 +109,7 @@ def enumerate_layouts(args, cluster: Cluster, seq_len: int, global_batch: int) -
                         microbatches = per_rank // mbs
                         if pp > 1 and microbatches < pp:
                             continue  # 1F1B needs at least one microbatch per stage
-                        for ac in AC_MODES:
+                        for ac in available_ac_modes():
                             layouts.append(Layout(dp_replicate, dp // dp_replicate, tp, pp, cp, ac, mbs, microbatches))
     return layouts
 

@@ -1,0 +1,114 @@
+"""Planning without a cluster: the dry run on the fake process group, the memory estimator and `meshloom plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshloom.config.loader import ConfigError, load_config
+from meshloom.models.registry import get_model_args
+from meshloom.observe.memory_estimate import Layout, Precision, estimate_memory
+from meshloom.tools.dry_run import dry_run, split_dry_run_args
+from meshloom.tools.layout_config import available_ac_modes, layout_from_config
+from meshloom.tools.plan import Cluster, main as plan_main, plan
+
+
+def _config(*overrides: str):
+    return load_config(["--training.mixed_precision", "bf16", *overrides])
+
+
+@pytest.mark.parametrize(
+    "world_size, overrides",
+    [
+        (8, ["--model.flavor", "debug"]),  # FSDP 8
+        (8, ["--model.flavor", "tiny", "--parallelism.tp", "4"]),  # FSDP 2 x TP 4, uneven FSDP chunks
+        (16, ["--model.flavor", "debug", "--parallelism.dp_replicate", "2", "--parallelism.tp", "2"]),  # HSDP x TP
+        (16, ["--model.flavor", "8B", "--parallelism.tp", "8", "--parallelism.cp", "2", "--training.seq_len", "512"]),
+        (32, ["--model.flavor", "8B", "--parallelism.tp", "4", "--parallelism.pp", "4", "--training.local_batch_size", "4"]),
+    ],
+)
+def test_dry_run_parameter_shards_match_the_estimate(world_size, overrides):
+    report = dry_run(_config(*overrides), world_size)
+    assert report.built_param_bytes == report.rank_params
+    assert report.memory.peak > report.memory.params
+
+
+def test_dry_run_405b_on_512_ranks_is_fast_and_sharded():
+    config = _config(
+        "--model.flavor", "405B", "--training.seq_len", "8192", "--training.local_batch_size", "16",
+        "--parallelism.tp", "8", "--parallelism.pp", "8", "--pipeline.microbatches", "16",
+    )
+    report = dry_run(config, 512)
+    assert report.seconds < 60
+    total = get_model_args("llama3", "405B")
+    # Rank 0 holds its stage's blocks and the embedding: about 1/512 of the model, in fp32.
+    assert report.built_param_bytes == report.rank_params
+    assert 0.8 < report.built_param_bytes / (4 * 405.85e9 / 512) < 1.2
+    assert set(report.comm_bytes) == {"tp", "cp", "dp_shard", "dp_replicate", "pp"}
+    assert report.comm_bytes["tp"] > 0 and report.comm_bytes["dp_shard"] > 0 and report.comm_bytes["pp"] > 0
+    assert report.model_flops > 0 and total.n_layers == 126
+
+
+def test_dry_run_rejects_a_world_size_the_layout_cannot_use():
+    with pytest.raises(ConfigError, match="does not divide the world size 12"):
+        dry_run(_config("--model.flavor", "8B", "--parallelism.tp", "8"), 12)
+    with pytest.raises(ConfigError, match="dp_replicate=1 x dp_shard=4 x tp=2"):
+        dry_run(_config("--model.flavor", "8B", "--parallelism.tp", "2", "--parallelism.dp_shard", "4"), 16)
+    with pytest.raises(ConfigError, match="--world-size"):
+        split_dry_run_args(["--dry-run", "--model.flavor", "8B"])
+
+
+def test_memory_per_rank_falls_with_every_sharding_degree():
+    args = get_model_args("llama3", "70B")
+    base = Layout(dp_shard=2, tp=2, pp=2, cp=2, ac="selective_op", microbatch_size=1, microbatches=8)
+    precision = Precision("bf16")
+    before = estimate_memory(args, base, 8192, precision)
+    for degree in ("dp_shard", "tp", "pp", "cp"):
+        after = estimate_memory(args, dataclasses.replace(base, **{degree: 2 * getattr(base, degree)}), 8192, precision)
+        assert after.peak < before.peak, degree
+        if degree != "cp":
+            assert after.params < before.params, degree
+    checkpointed = estimate_memory(args, dataclasses.replace(base, ac="full"), 8192, precision)
+    unchecked = estimate_memory(args, dataclasses.replace(base, ac="none"), 8192, precision)
+    assert checkpointed.activations < before.activations < unchecked.activations
+
+
+NEEDS_AC = pytest.mark.skipif(
+    len(available_ac_modes()) == 1, reason="needs the [activation_checkpoint] section (8B at seq 8192 fits only with it)"
+)
+
+
+@NEEDS_AC
+def test_plan_picks_pure_fsdp_for_8b_on_8_gpus():
+    best = plan("8B", Cluster(gpus=8, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=8)[0].layout
+    assert (best.dp_shard, best.dp_replicate, best.tp, best.pp, best.cp) == (8, 1, 1, 1, 1)
+
+
+def test_plan_needs_tensor_and_pipeline_parallel_for_405b_on_512_gpus():
+    best = plan("405B", Cluster(gpus=512, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=1024)[0].layout
+    assert best.tp > 1 and best.pp > 1
+    assert best.world_size == 512
+
+
+def test_plan_writes_a_config_that_loads_back_to_the_same_layout(tmp_path, capsys):
+    out = tmp_path / "layout.toml"
+    code = plan_main(["--flavor", "70B", "--gpus", "64", "--global-batch", "128", "--output", str(out), "--top", "3"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "layouts fit" in printed and f"wrote {out}" in printed
+    best = plan("70B", Cluster(gpus=64, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=128)[0].layout
+    config = load_config(["--config", str(out)])
+    assert config.model.flavor == "70B" and config.training.seq_len == 8192
+    assert layout_from_config(config, 64) == best
+
+
+def test_plan_bad_input_names_the_fix(capsys):
+    with pytest.raises(ValueError, match=r"at least [0-9.]+ GiB"):
+        plan("405B", Cluster(gpus=8, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=8)
+    with pytest.raises(ValueError, match="data-parallel degree must divide it"):
+        plan("tiny", Cluster(gpus=16, gpus_per_node=8, memory_gib=80), seq_len=256, global_batch=1)
+    with pytest.raises(ValueError, match="whole number of 8-GPU nodes"):
+        plan("8B", Cluster(gpus=12, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=12)
+    assert plan_main(["--flavor", "8B", "--gpus", "0", "--global-batch", "8"]) == 2
+    assert "--gpus must be positive" in capsys.readouterr().err
