@@ -265,6 +265,10 @@ def estimate_memory(
         params = FP32 * param_elems
         optimizer = ADAM_MOMENTS * FP32 * param_elems if with_optimizer else 0
         grads = FP32 * param_elems
+        if layout.tp > 1 and not sharded_data_parallel and stage.first:
+            # DTensor's embedding backward returns the table's gradient replicated, not vocabulary-sharded
+            # (measured in torch 2.13); FSDP's reduce-scatter would shard it again.
+            grads += FP32 * (args.vocab_size - _split(args.vocab_size, layout.tp)) * args.dim
         if sharded_data_parallel and fsdp > 1 and accumulate:
             # set_requires_gradient_sync(False) keeps unsharded gradients between microbatches.
             grads = precision.reduce_dtype_bytes * full_elems
