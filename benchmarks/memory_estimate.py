@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     config = load_config([
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
         "--training.steps", "2", "--validation.enable", "false", "--metrics.tensorboard", "false",
-        "--metrics.progress_bar", "false", "--metrics.peak_tflops", "1", "--data.max_bytes", "400000",
+        "--metrics.progress_bar", "false", "--metrics.peak_tflops", "1", "--data.max_bytes", "400000", "--data.vocab_size", "512",
         "--data.cache_dir", str(args.out.parent / "cache"), "--job.dump_folder", str(args.out.parent / "run"),
         *overrides(args.layout),
     ])

@@ -112,3 +112,23 @@ def test_plan_bad_input_names_the_fix(capsys):
         plan("8B", Cluster(gpus=12, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=12)
     assert plan_main(["--flavor", "8B", "--gpus", "0", "--global-batch", "8"]) == 2
     assert "--gpus must be positive" in capsys.readouterr().err
+
+
+def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
+    """FSDP 2 and TP 2 under torchrun: local shards and the memory tracker's activations vs the estimate."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_estimate.py"
+    module_spec = importlib.util.spec_from_file_location("memory_estimate_benchmark", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    args = argparse.Namespace(flavor="tiny", seq_len=128, batch=2)
+    for index, layout in enumerate(("dp_shard=2", "tp=2")):
+        ranks = bench.measure(layout, args, tmp_path, index)
+        assert not isinstance(ranks, str), f"{layout}: {ranks}"
+        for result in ranks:
+            for kind, tolerance in bench.TARGETS.items():
+                measured, estimated = result["measured"][kind], result["estimated"][kind]
+                assert abs(measured / estimated - 1) <= tolerance, (layout, kind, measured, estimated)
