@@ -22,7 +22,7 @@ TOLERANCE = 1e-5
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
 ASYNC = SAVE + ["--checkpoint.async_mode", "async"]
 RESUME = SAVE + ["--checkpoint.resume", "true"]
-EXACT_LAYOUTS = {"1proc": "", "fsdp2": "dp_shard=2", "fsdp2_tp2": "dp_shard=2,tp=2"}
+EXACT_LAYOUTS = {"1proc": "", "fsdp2": "dp_shard=2", "fsdp2_tp2": "dp_shard=2,tp=2", "pp2_fsdp2": "pp=2,dp_shard=2"}
 
 
 def _write_stream(path: Path) -> Path:
@@ -72,6 +72,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str
     ]
     cases += [
         Case("tp2_stop", str(w / "tp2"), "tp=2", stop_after=5, overrides=SAVE),
+        Case("pp2_stop", str(w / "pp2"), "pp=2", stop_after=5, overrides=SAVE),
+        Case("pp2_to_fsdp2", str(w / "pp2"), "dp_shard=2", overrides=RESUME),
         Case("fsdp4_stop", str(w / "fsdp4"), "dp_shard=4", stop_after=5, overrides=SAVE),
         Case("fsdp4_to_fsdp2_tp2", str(w / "fsdp4"), "dp_shard=2,tp=2", overrides=RESUME),
         Case("seed_fsdp2_tp2", str(w / "seed_fsdp2_tp2"), "dp_shard=2,tp=2", steps=3, overrides=from_seed + sharded_init),
@@ -110,7 +112,10 @@ def test_async_saves_of_multi_rank_runs_were_committed(runs) -> None:
     assert len([f for f in runs["_markers"]["fsdp4"]["checksums"] if f.endswith(".distcp")]) == 4
 
 
-@pytest.mark.parametrize(("stop", "resume"), [("fsdp4_stop", "fsdp4_to_fsdp2_tp2"), ("tp2_stop", "tp2_to_1proc")])
+@pytest.mark.parametrize(
+    ("stop", "resume"),
+    [("fsdp4_stop", "fsdp4_to_fsdp2_tp2"), ("tp2_stop", "tp2_to_1proc"), ("pp2_stop", "pp2_to_fsdp2")],
+)
 def test_resume_under_another_layout_continues_the_reference(runs, stop: str, resume: str) -> None:
     reference = runs["ref"].losses
     assert _max_diff(runs[stop].losses, reference[:5]) <= TOLERANCE
