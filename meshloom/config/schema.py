@@ -278,6 +278,68 @@ class CheckpointConfig:
 
 
 @dataclass
+class CompileConfig:
+    enable: bool = False
+    """Compile each transformer block (fullgraph) and the loss with torch.compile (inductor). Compiled kernels are
+    cached on disk (TORCHINDUCTOR_CACHE_DIR, or compile.cache_dir), so later runs start faster."""
+
+    cache_dir: str = ""
+    """Inductor's on-disk cache; empty = TORCHINDUCTOR_CACHE_DIR if set, else torch's default
+    (<temp folder>/torchinductor_<user>)."""
+
+    async_tp: bool = False
+    """CUDA only, with parallelism.tp > 1 and compile.enable: overlap tensor-parallel collectives with matmuls
+    (symmetric memory plus inductor's micro-pipeline TP pass)."""
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective_layer", "selective_op", "memory_budget"] = "none"
+    """none; full (recompute every block in backward); selective_layer (every k-th block, see every_k_layers);
+    selective_op (keep the outputs of save_ops, recompute the rest); memory_budget (compile's partitioner keeps
+    a fraction of activations, see memory_budget; needs compile.enable)."""
+
+    every_k_layers: int = 2
+    """selective_layer: checkpoint blocks k, 2k, 3k, ... (counting from 1)."""
+
+    save_ops: str = "default"
+    """selective_op: comma-separated ops whose outputs are kept, e.g. "aten.mm,aten._scaled_dot_product_flash_attention_for_cpu";
+    default = matmuls plus every attention kernel (CUDA and CPU), Float8 matmuls and amax reductions."""
+
+    memory_budget: float = 0.5
+    """memory_budget: fraction of activation memory to keep (0 = recompute as much as possible, 1 = keep all)."""
+
+
+@dataclass
+class Float8Config:
+    enable: bool = False
+    """Train the transformer blocks' linear layers in float8 (torchao). The output projection and any layer whose
+    (tensor-parallel local) dims are not multiples of 16 stay in high precision."""
+
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Scaling granularity: one scale per tensor (fastest) or per row (more accurate)."""
+
+    fsdp_float8_all_gather: bool = True
+    """tensorwise with FSDP: all-gather weights in float8, with one amax/scale all-reduce per step for all weights."""
+
+
+@dataclass
+class ProfilingConfig:
+    enable: bool = False
+    """Write torch.profiler traces (open in Perfetto or TensorBoard) to <dump_folder>/profile/step<N>/rank<R>.pt.trace.json."""
+
+    start_step: int = 3
+    """First traced step (the step before it warms the profiler up)."""
+
+    num_steps: int = 2
+    """Traced steps from start_step on."""
+
+    memory_snapshot: bool = False
+    """CUDA: allocator snapshots (pytorch.org/memory_viz) over the traced steps and on out-of-memory, in
+    <dump_folder>/memory_snapshot/; CPU: a memory timeline from the profiler, next to the traces."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -290,3 +352,7 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

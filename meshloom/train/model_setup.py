@@ -37,7 +37,8 @@ def build_model(spec: ModelSpec, args, dims: ParallelDims | None, config: Config
     if dims is None or not dims.is_distributed:
         model.to_empty(device=device)
         _init(model, seed)
-        return model
+        # One process: the parallelize function skips TP and FSDP but still applies Float8, AC and compile.
+        return model if dims is None or spec.parallelize_fn is None else spec.parallelize_fn(model, dims, config)
 
     mode = _init_mode(model, config)
     assert spec.parallelize_fn is not None, f"{spec.name} has no parallelize function"

@@ -24,12 +24,16 @@ from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
 from meshloom.parallel.pipeline import plan_pipeline
 from meshloom.parallel.tensor import local_value, loss_parallel_context
 from meshloom.observe.metrics import Throughput, flops_per_token, peak_flops_per_second, peak_memory_bytes
+from meshloom.observe.profiler import StepProfiler
+from meshloom.parallel.compile import build_loss_fn
+from meshloom.parallel.float8 import sync_float8_scales
 from meshloom.train.loss import cross_entropy_loss
 from meshloom.train.lr import build_lr_scheduler
 from meshloom.train.model_setup import build_model, model_num_params
 from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
 from meshloom.train.nonfinite import NonFiniteError, drop_gradients, is_finite, write_dump
 from meshloom.train.optim import OptimizerGroup, build_optimizer
+from meshloom.train.option_checks import check_compute_options
 from meshloom.train.runtime import seed_everything, select_device
 
 
@@ -63,6 +67,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         a = self.model_args
         self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
+        check_compute_options(config, spec, a, self.device, self.dims.tp)
         pipeline_plan = None
         if self.dims.pp > 1:
             pipeline_plan = plan_pipeline(config, self.dims, a)
@@ -91,6 +96,7 @@ class Trainer:
             self.model = build_model(spec, a, self.dims, config, self.device)
         self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
         self.loss_parallel = self.dims.tp > 1 and config.parallelism.loss_parallel
+        self.loss_fn = build_loss_fn(config.compile, cross_entropy_loss, self.loss_parallel)
 
         if self.pipeline is not None:
             # One optimizer per stage: checkpoints pair each stage (model part) with its optimizer state.
@@ -116,6 +122,7 @@ class Trainer:
             num_devices=self.world_size,
         )
         self.rank = rank()
+        self.profiler = StepProfiler(config.profiling, self.run_dir, self.rank, self.device)
         self.logger = MetricLogger(
             self.run_dir, tc.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar, self.rank, self.step
         )
@@ -173,7 +180,7 @@ class Trainer:
         masks = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
         with self._autocast():
             logits = self.model(inputs.to(self.device), **masks)
-        return cross_entropy_loss(logits, labels.to(self.device))
+        return self.loss_fn(logits, labels.to(self.device))
 
     def train_step(self) -> StepResult:
         """One optimizer step over `grad_accum_steps` microbatches."""
@@ -215,6 +222,7 @@ class Trainer:
             if self.config.training.max_norm > 0:
                 clip_grads_(self.model.parameters(), self.config.training.max_norm, grad_norm_tensor)
             self.optimizer.step()
+            sync_float8_scales(self.model, self.config.float8, self.fsdp)
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_value, grad_norm, lr, skipped, sample_ids)
@@ -252,8 +260,10 @@ class Trainer:
         """Run to `training.steps`; returns the per-step losses."""
         losses = []
         self.throughput.reset()
+        self.profiler.start(self.step)
         while self.step < self.config.training.steps:
             result = self.train_step()
+            self.profiler.step(self.step)
             losses.append(result.loss)
             self.throughput.update(self.tokens_per_step)
             self.logger.advance()
@@ -273,5 +283,6 @@ class Trainer:
             if metrics:
                 self.logger.log(self.step, metrics)
             self.checkpointer.maybe_save()
+        self.profiler.stop()
         self.logger.close()
         return losses

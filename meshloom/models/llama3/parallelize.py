@@ -1,4 +1,4 @@
-"""The one place where parallelism is applied to Llama 3, in a fixed order: TP/SP, CP, AC, compile, FSDP."""
+"""The one place where parallelism is applied to Llama 3, in a fixed order: Float8, TP/SP, CP, AC, compile, FSDP."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from torch.distributed.tensor.parallel import (
 
 from meshloom.config.schema import Config
 from meshloom.models.llama3.model import Transformer
+from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
 from meshloom.parallel.dims import ParallelDims
+from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -66,14 +69,25 @@ def apply_context_parallel(model: Transformer, cp_mesh, layout: SequenceLayout, 
 
 
 def parallelize_llama3(model: Transformer, dims: ParallelDims, config: Config) -> Transformer:
+    """Also applied to each pipeline stage (a Transformer with some layers, embedding or output removed)."""
     par = config.parallelism
+    data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
+    if config.float8.enable:
+        # Linears are swapped before TP/FSDP shard them, so both see Float8Linear modules.
+        convert_to_float8(model, config.float8, fsdp=data_parallel, tp=dims.tp)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel)
+        if config.compile.async_tp:
+            enable_async_tp()
     if dims.cp > 1:
         layout = SequenceLayout(dims.cp, par.cp_load_balance)
         apply_context_parallel(model, dims.mesh("cp"), layout, config.training.seq_len)
-    # Activation checkpointing and compile wrap each block here, between TP and FSDP (their modes come later).
-    if dims.fsdp_enabled or dims.dp_replicate > 1:
+    # Activation checkpointing, then compile, wrap each block's forward; FSDP's hooks then go around both.
+    apply_activation_checkpointing(model.layers, config.activation_checkpoint)
+    if config.compile.enable:
+        set_cache_dir(config.compile)
+        apply_compile(model.layers, config.activation_checkpoint)
+    if data_parallel:
         param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
         apply_fsdp(
             model,

@@ -1,0 +1,98 @@
+"""Float8 training of the transformer blocks' linear layers with torchao's `convert_to_float8_training`.
+
+- Recipes: tensorwise (one dynamic scale per tensor) and rowwise (one per row, more accurate).
+- Skipped: the output projection (the logits are the most precision-sensitive matmul) and any linear whose
+  dims are not multiples of 16 (what the float8 matmul kernels require). Under tensor parallel each rank
+  multiplies a slice, so both dims divided by the TP degree must be multiples of 16 (conservative: only
+  one of them is split, but which one is the model's TP plan's business).
+- With FSDP and tensorwise, weights are all-gathered in float8 (half the bytes of bf16), and after each
+  optimizer step one all-reduce computes the amax/scale of every float8 weight at once.
+
+Float8 runs on CPU too (torch's `_scaled_mm` has a CPU kernel), about 4x slower than fp32, which is good
+for correctness tests; the speed-up is on GPUs with float8 tensor cores (compute capability >= 8.9).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshloom.config.loader import ConfigError
+from meshloom.config.schema import Float8Config
+
+# Float8 matmuls need both dims of the weight to be multiples of this.
+FLOAT8_DIM_MULTIPLE = 16
+# The vocabulary projection stays in high precision.
+SKIPPED_FQNS = ("output",)
+
+
+def _usable(linear: nn.Linear, tp: int) -> bool:
+    return all(
+        size % tp == 0 and (size // tp) % FLOAT8_DIM_MULTIPLE == 0 for size in (linear.in_features, linear.out_features)
+    )
+
+
+def _is_skipped(fqn: str) -> bool:
+    return any(fqn == name or fqn.startswith(name + ".") for name in SKIPPED_FQNS)
+
+
+def float8_targets(model: nn.Module, tp: int = 1) -> tuple[list[str], list[str]]:
+    """(converted, skipped-for-dims) linear layer names of `model` (which may live on the meta device)."""
+    converted, unusable = [], []
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not _is_skipped(fqn):
+            (converted if _usable(module, tp) else unusable).append(fqn)
+    return converted, unusable
+
+
+def check_float8_config(config: Float8Config, model: nn.Module, device: torch.device, tp: int) -> None:
+    """Bad settings as ConfigErrors; `model` may be a meta-device copy (only shapes are read)."""
+    if not config.enable:
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"float8.enable needs float8 tensor cores (compute capability >= 8.9, e.g. H100); {name} has none")
+    converted, unusable = float8_targets(model, tp)
+    if not converted:
+        shapes = ", ".join(
+            f"{fqn} ({model.get_submodule(fqn).in_features}x{model.get_submodule(fqn).out_features})" for fqn in unusable[:4]
+        )
+        raise ConfigError(
+            f"float8.enable: no linear layer can run in float8, because float8 matmuls need dims (per tensor-parallel "
+            f"rank: divided by tp={tp}) that are multiples of {FLOAT8_DIM_MULTIPLE}, and this model has "
+            f"{shapes or 'no linear layers besides the output'}; pick a model flavor whose sizes are multiples of "
+            f"{FLOAT8_DIM_MULTIPLE * tp}, lower parallelism.tp, or set float8.enable = false"
+        )
+
+
+def _linear_config(config: Float8Config, fsdp: bool):
+    from torchao.float8 import Float8LinearConfig
+
+    if config.recipe == "rowwise":
+        return Float8LinearConfig.from_recipe_name("rowwise")
+    # The float8 all-gather casts each weight shard with a scale shared by the whole weight: tensorwise only.
+    return Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp and config.fsdp_float8_all_gather)
+
+
+def convert_to_float8(model: nn.Module, config: Float8Config, fsdp: bool, tp: int) -> list[str]:
+    """Swap the usable linears for torchao's Float8Linear in place; returns the converted names."""
+    from torchao.float8 import convert_to_float8_training
+
+    converted, _ = float8_targets(model, tp)
+    targets = set(converted)
+    convert_to_float8_training(
+        model, module_filter_fn=lambda module, fqn: fqn in targets, config=_linear_config(config, fsdp)
+    )
+    return converted
+
+
+def uses_float8_all_gather(config: Float8Config, fsdp: bool) -> bool:
+    return config.enable and config.recipe == "tensorwise" and config.fsdp_float8_all_gather and fsdp
+
+
+def sync_float8_scales(model: nn.Module, config: Float8Config, fsdp: bool) -> None:
+    """After the optimizer step: one all-reduce of every float8 weight's amax, for the next step's all-gathers."""
+    if uses_float8_all_gather(config, fsdp):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
