@@ -1,0 +1,216 @@
+"""Tokens/s, TFLOP/s and MFU of one model in several compute modes; writes a results table.
+
+    python benchmarks/gpu_throughput.py --out benchmarks/results            # defaults: Llama 3.2 3B on one GPU
+    python benchmarks/gpu_throughput.py --device cpu --flavor tiny --seq-len 64 --batch 2 --steps 2 --out /tmp/t
+
+Each mode runs in its own process (fresh allocator, fresh compile state): build the trainer, run --warmup
+steps (compilation happens here), then time --steps steps. A mode that runs out of memory is retried once with
+half the batch; a mode that fails anyway is reported as failed, and the other modes still run.
+
+MFU counts model FLOPs (6 N + attention, no recomputation) against the device's dense bf16 peak, for every mode,
+Float8 included, so the columns compare directly. Ratios are against the first mode measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Run from a clone without installing: the children import meshloom from here.
+REPO = Path(__file__).resolve().parents[1]
+
+MODES: dict[str, list[str]] = {
+    "eager_bf16": [],
+    "compile": ["--compile.enable", "true"],
+    "compile_float8": ["--compile.enable", "true", "--float8.enable", "true"],
+    "compile_selective_ac": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective_op"],
+}
+
+
+def mode_overrides(args: argparse.Namespace, mode: str, batch: int, run_dir: Path) -> list[str]:
+    return [
+        "--model.flavor", args.flavor,
+        "--training.device", args.device,
+        "--training.mixed_precision", "bf16",
+        "--training.seq_len", str(args.seq_len),
+        "--training.local_batch_size", str(batch),
+        "--training.steps", str(args.warmup + args.steps),
+        "--lr_scheduler.warmup_steps", "2",
+        # A small slice of the built-in corpus: tokenizing it is quick and it still holds every step's tokens.
+        "--data.max_bytes", str(args.data_bytes),
+        "--data.vocab_size", str(args.vocab_size),
+        "--validation.enable", "false",
+        "--metrics.tensorboard", "false",
+        "--metrics.progress_bar", "false",
+        "--job.dump_folder", str(run_dir),
+    ] + (["--data.cache_dir", args.data_cache] if args.data_cache else []) + MODES[mode]
+
+
+def run_mode(args: argparse.Namespace, mode: str, batch: int, out: Path) -> dict:
+    """In this process: train warmup + steps steps and return the figures."""
+    import torch
+
+    from meshloom.config.loader import load_config
+    from meshloom.train.trainer import Trainer
+
+    trainer = Trainer(load_config(mode_overrides(args, mode, batch, out / f"run_{mode}")))
+    device = trainer.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    losses = [trainer.train_step().loss for _ in range(args.steps)]
+    sync()
+    elapsed = time.perf_counter() - start
+    tokens_per_s = trainer.tokens_per_step * args.steps / elapsed
+    tflops = tokens_per_s * trainer.throughput.flops_per_token / 1e12
+    peak = trainer.throughput.peak_flops_per_second
+    return {
+        "mode": mode,
+        "status": "ok",
+        "batch": batch,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+        "mfu": tflops * 1e12 / peak if peak > 0 else None,
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0) / 2**30,
+        "step_s": elapsed / args.steps,
+        "final_loss": losses[-1],
+        "params": trainer.model.num_params(),
+    }
+
+
+def launch_mode(args: argparse.Namespace, argv: list[str], mode: str, out: Path) -> dict:
+    """Run one mode in a child process (same command-line settings); on out of memory, halve the batch and retry."""
+    batch = args.batch
+    while True:
+        result_file = out / f"{mode}.json"
+        result_file.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, *argv, "--child", mode, "--child-batch", str(batch), "--child-result", str(result_file)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.mode_timeout)
+        except subprocess.TimeoutExpired as err:
+            (out / f"{mode}.log").write_text(f"{err.stdout or ''}{err.stderr or ''}")
+            return {"mode": mode, "status": f"failed: timed out after {args.mode_timeout:.0f} s", "batch": batch}
+        log = proc.stdout + proc.stderr
+        (out / f"{mode}.log").write_text(log)
+        if proc.returncode == 0 and result_file.exists():
+            return json.loads(result_file.read_text())
+        out_of_memory = "OutOfMemoryError" in log or "out of memory" in log
+        if out_of_memory and batch > 1 and batch == args.batch:
+            batch //= 2
+            print(f"  {mode}: out of memory, retrying with batch {batch}", flush=True)
+            continue
+        reason = "out of memory" if out_of_memory else (log.strip().splitlines() or ["no output"])[-1][:160]
+        return {"mode": mode, "status": f"failed: {reason}", "batch": batch}
+
+
+def prepare_data(args: argparse.Namespace, out: Path) -> None:
+    """Train the tokenizer and tokenize the corpus once, here, so no mode's time includes it."""
+    from meshloom.config.loader import load_config
+    from meshloom.data.build import build_data
+
+    config = load_config(mode_overrides(args, next(iter(MODES)), args.batch, out / "prepare"))
+    build_data(config.data, args.seq_len, args.batch, 0, 1, config.training.seed, with_validation=False)
+
+
+def environment(args: argparse.Namespace) -> dict:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if args.device != "cpu" and torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": gpu,
+        "torch": torch.__version__,
+        "config": f"llama3 {args.flavor}, seq {args.seq_len}, batch {args.batch}, bf16, AdamW, "
+        f"{args.warmup} warm-up + {args.steps} timed steps",
+    }
+
+
+def results_table(env: dict, results: list[dict]) -> str:
+    lines = [
+        f"Date: {env['date']}; device: {env['device']}; torch {env['torch']}; {env['config']}",
+        "",
+        "| mode | batch | tokens/s | vs first | TFLOP/s | MFU | peak GiB | final loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base = next((r for r in results if r["status"] == "ok"), None)
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"| {r['mode']} | {r['batch']} | {r['status']} | | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        lines.append(
+            f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+            f"{r['tflops']:.3g} | {mfu} | {r['peak_memory_gib']:.1f} | {r['final_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavor", default="3B")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--data-bytes", type=int, default=3_000_000)
+    parser.add_argument("--vocab-size", type=int, default=2048, help="of the built-in tokenizer (at most the model's)")
+    parser.add_argument("--data-cache", default="", help="tokenizer/token cache folder (default: ~/.cache/meshloom)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--mode-timeout", type=float, default=None, help="seconds one mode may take (default: no limit)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            parser.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        result = run_mode(args, args.child, args.child_batch, args.out)
+        args.child_result.write_text(json.dumps(result))
+        from meshloom.parallel.distributed import shutdown_and_exit
+
+        shutdown_and_exit(0)
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_throughput: no CUDA device is visible; pass --device cpu to try the script itself on CPU", file=sys.stderr)
+        return 2
+    env = environment(args)
+    print(f"{env['config']} on {env['device']}", flush=True)
+    prepare_data(args, args.out)
+    results = []
+    for mode in args.modes.split(","):
+        started = time.perf_counter()
+        results.append(launch_mode(args, argv, mode, args.out))
+        print(f"  {mode}: {results[-1]['status']} ({time.perf_counter() - started:.0f} s)", flush=True)
+    text = results_table(env, results)
+    (args.out / "gpu_throughput.md").write_text(text + "\n")
+    (args.out / "gpu_throughput.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    print(text)
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

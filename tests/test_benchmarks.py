@@ -1,0 +1,58 @@
+"""The GPU throughput benchmark's driver, run on CPU with the tiny model (the GPU run itself needs a GPU)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshloom.config.loader import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("gpu_throughput", REPO / "benchmarks" / "gpu_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_mode_is_a_valid_config():
+    driver = _driver()
+    args = driver.parse_args([])
+    assert (args.flavor, args.seq_len) == ("3B", 4096)  # what the H200 run measures
+    expected = {
+        "eager_bf16": (False, False, "none"),
+        "compile": (True, False, "none"),
+        "compile_float8": (True, True, "none"),
+        "compile_selective_ac": (True, False, "selective_op"),
+    }
+    for mode, (compiled, float8, ac) in expected.items():
+        config = load_config(driver.mode_overrides(args, mode, args.batch, Path("/tmp/unused")))
+        assert config.training.mixed_precision == "bf16" and config.training.device == "cuda"
+        assert (config.compile.enable, config.float8.enable, config.activation_checkpoint.mode) == (compiled, float8, ac)
+    with pytest.raises(SystemExit):
+        driver.parse_args(["--modes", "eager_bf16,warp_speed"])
+
+
+def test_driver_runs_modes_in_child_processes_and_writes_the_table(tmp_path):
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "gpu_throughput.py"),
+        "--device", "cpu", "--flavor", "tiny", "--seq-len", "64", "--batch", "2", "--warmup", "1", "--steps", "2",
+        "--data-bytes", "400000", "--vocab-size", "512", "--data-cache", str(tmp_path / "cache"),
+        "--modes", "eager_bf16", "--out", str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_throughput.json").read_text())
+    assert report["environment"]["torch"] and "tiny, seq 64, batch 2" in report["environment"]["config"]
+    (row,) = report["results"]
+    assert row["status"] == "ok" and row["mode"] == "eager_bf16" and row["batch"] == 2
+    assert row["tokens_per_s"] > 0 and row["tflops"] > 0 and 0 < row["mfu"] < 1 and 5 < row["final_loss"] < 7
+    table = (out / "gpu_throughput.md").read_text()
+    assert "| eager_bf16 | 2 |" in table and "1.00x" in table
