@@ -23,8 +23,8 @@ EAGER_MODES = {
 }
 
 
-def test_every_eager_mode_keeps_loss_parity_with_none(tmp_path):
-    argv = base_overrides(4, tmp_path) + ["--job.dump_folder", str(tmp_path / "run")]
+def test_every_eager_mode_keeps_loss_parity_with_none(tmp_path, data_cache):
+    argv = base_overrides(4, tmp_path) + ["--job.dump_folder", str(tmp_path / "run"), "--data.cache_dir", str(data_cache)]
     reference = run_steps(argv)
     for name, extra in EAGER_MODES.items():
         curve = run_steps(argv + extra)

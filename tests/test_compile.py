@@ -43,8 +43,8 @@ def _saved_activation_bytes(trainer: Trainer) -> int:
     return total
 
 
-def test_compiled_modes_match_eager_and_keep_fewer_activations(tmp_path):
-    argv = base_overrides(4, tmp_path) + ["--job.dump_folder", str(tmp_path / "run")]
+def test_compiled_modes_match_eager_and_keep_fewer_activations(tmp_path, data_cache):
+    argv = base_overrides(4, tmp_path) + ["--job.dump_folder", str(tmp_path / "run"), "--data.cache_dir", str(data_cache)]
     eager = Trainer(load_config(argv))
     reference = [eager.train_step().loss for _ in range(4)]
     saved = {"eager": _saved_activation_bytes(eager)}

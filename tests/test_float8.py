@@ -10,9 +10,9 @@ import pytest
 from torch import nn
 
 from meshloom.config.loader import ConfigError, load_config
-from meshloom.config.schema import Float8Config
+from meshloom.models.llama3.flavors import LLAMA3_FLAVORS
 from meshloom.models.llama3.model import Llama3Args, Transformer
-from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16, check_float8_config, float8_targets
+from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16, float8_targets
 from meshloom.tools.parity import base_overrides
 from meshloom.train.trainer import Trainer
 
@@ -21,10 +21,11 @@ def _losses(trainer: Trainer, steps: int) -> list[float]:
     return [trainer.train_step().loss for _ in range(steps)]
 
 
-def test_float8_recipes_convert_the_blocks_and_train_close_to_bf16(tmp_path):
+def test_float8_recipes_convert_the_blocks_and_train_close_to_bf16(tmp_path, data_cache):
     from torchao.float8.float8_linear import Float8Linear
 
-    argv = base_overrides(6, tmp_path) + ["--job.dump_folder", str(tmp_path / "run"), "--training.mixed_precision", "bf16"]
+    argv = base_overrides(6, tmp_path) + ["--job.dump_folder", str(tmp_path / "run"), "--data.cache_dir", str(data_cache)]
+    argv += ["--training.mixed_precision", "bf16"]
     bf16 = _losses(Trainer(load_config(argv)), 6)
     for recipe in ("tensorwise", "rowwise"):
         trainer = Trainer(load_config(argv + ["--float8.enable", "true", "--float8.recipe", recipe]))
@@ -35,20 +36,22 @@ def test_float8_recipes_convert_the_blocks_and_train_close_to_bf16(tmp_path):
         assert 0 < diff <= FLOAT8_LOSS_BOUND_VS_BF16, (recipe, diff)
 
 
-def test_dims_that_are_not_multiples_of_16_are_skipped_and_none_usable_is_an_error(tmp_path):
-    odd = Transformer(Llama3Args(dim=40, n_layers=1, n_heads=4, vocab_size=64, multiple_of=24, max_seq_len=16))
-    converted, skipped = float8_targets(odd)
+ODD = Llama3Args(dim=40, n_layers=1, n_heads=4, vocab_size=512, multiple_of=24, max_seq_len=64)
+
+
+def test_dims_that_are_not_multiples_of_16_are_skipped_and_none_usable_is_an_error(tmp_path, monkeypatch):
+    converted, skipped = float8_targets(Transformer(ODD))
     assert converted == [] and len(skipped) == 7 and "output" not in skipped
+    # Through the trainer, with a model flavour whose every dim is unusable: an error before any data is built.
+    monkeypatch.setitem(LLAMA3_FLAVORS, "odd", ODD)
+    argv = base_overrides(2, tmp_path) + ["--model.flavor", "odd", "--float8.enable", "true", "--job.dump_folder", str(tmp_path / "r")]
     with pytest.raises(ConfigError, match=r"no linear layer can run in float8.*multiples of 16.*layers\.0\.attention\.wq \(40x40\)"):
-        check_float8_config(Float8Config(enable=True), odd, device=__import__("torch").device("cpu"), tp=1)
+        Trainer(load_config(argv))
+    assert not (tmp_path / "cache").exists()
     # Under tensor parallel the per-rank slice counts: tiny's kv projections (64 -> 32) split 4 ways are 8 wide.
     tiny = Transformer(Llama3Args(dim=64, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=64, max_seq_len=16))
     converted, skipped = float8_targets(tiny, tp=4)
     assert sorted(skipped) == ["layers.0.attention.wk", "layers.0.attention.wv"]
-    # Through the trainer: the check runs before any data is prepared.
-    argv = base_overrides(2, tmp_path) + ["--float8.enable", "true", "--job.dump_folder", str(tmp_path / "r")]
-    Trainer(load_config(argv))  # the tiny flavour is fine
-    assert (tmp_path / "cache").exists()
 
 
 FSDP_FLOAT8_SCRIPT = textwrap.dedent(

@@ -14,9 +14,10 @@ from meshloom.tools.parity import base_overrides
 from meshloom.train.trainer import Trainer
 
 
-def test_cpu_run_writes_trace_and_memory_timeline_for_the_configured_steps(tmp_path):
+def test_cpu_run_writes_trace_and_memory_timeline_for_the_configured_steps(tmp_path, data_cache):
     run = tmp_path / "run"
     argv = base_overrides(4, tmp_path) + [
+        "--data.cache_dir", str(data_cache),
         "--job.dump_folder", str(run),
         "--profiling.enable", "true",
         "--profiling.memory_snapshot", "true",
