@@ -77,8 +77,12 @@ def _with_memory_budget(compiled: Callable, budget: float) -> Callable:
     return forward
 
 
-def apply_compile(layers: nn.ModuleDict, ac: ActivationCheckpointConfig) -> None:
-    """Compile each block's forward (after activation checkpointing wrapped it, before FSDP shards it)."""
+def apply_compile(layers: nn.ModuleDict, ac: ActivationCheckpointConfig, fullgraph: bool = True) -> None:
+    """Compile each block's forward (after activation checkpointing wrapped it, before FSDP shards it).
+
+    fullgraph=False lets a block hold code dynamo cannot trace, which then runs eagerly between two compiled
+    graphs: context parallel's ring attention, whose point-to-point exchanges torch.compile cannot capture.
+    """
     global _compiled_budget
     budget = ac.memory_budget if ac.mode == "memory_budget" else 1.0
     if _compiled_budget is not None and budget != _compiled_budget:
@@ -87,7 +91,7 @@ def apply_compile(layers: nn.ModuleDict, ac: ActivationCheckpointConfig) -> None
         torch.compiler.reset()
     _compiled_budget = budget
     for block in layers.values():
-        compiled = _waiting_for_collectives(torch.compile(block.forward, fullgraph=True))
+        compiled = _waiting_for_collectives(torch.compile(block.forward, fullgraph=fullgraph))
         block.forward = compiled if budget == 1.0 else _with_memory_budget(compiled, budget)
 
 

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshloom.config.schema import Config
 from meshloom.models.registry import ModelSpec
+from meshloom.parallel.compile import build_loss_fn
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.pipeline import PipelinePlan, build_schedule
 from meshloom.parallel.tensor import local_value
@@ -35,6 +36,7 @@ class PipelineRunner:
         pp_mesh: DeviceMesh,
         device: torch.device,
         compute_context: Callable[[], contextlib.AbstractContextManager],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
     ):
         self.plan = plan
         self.model = nn.ModuleList(stages)
@@ -45,10 +47,11 @@ class PipelineRunner:
         # Autocast and loss parallel must enclose the schedule's forward and backward passes.
         self.compute_context = compute_context
         self._loss_scale = 1.0
+        self.loss_fn = loss_fn
         self.schedule = build_schedule(plan, stages, stage_ids, pp_mesh, device, self._loss)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(logits, labels) * self._loss_scale
+        return self.loss_fn(logits, labels) * self._loss_scale
 
     def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
         """Feed one local batch; returns the sum of this call's scaled microbatch losses, on every pipeline rank."""
@@ -92,4 +95,5 @@ def build_pipeline(
     pp_mesh = dims.mesh("pp")
     stage_ids = plan.stages_of(pp_mesh.get_local_rank())
     stages = build_pipeline_stages(spec, args, dims, config, device, plan, stage_ids)
-    return PipelineRunner(plan, stages, stage_ids, pp_mesh, device, compute_context)
+    loss_fn = build_loss_fn(config.compile, cross_entropy_loss, loss_parallel=dims.tp > 1 and config.parallelism.loss_parallel)
+    return PipelineRunner(plan, stages, stage_ids, pp_mesh, device, compute_context, loss_fn)

@@ -86,7 +86,8 @@ def parallelize_llama3(model: Transformer, dims: ParallelDims, config: Config) -
     apply_activation_checkpointing(model.layers, config.activation_checkpoint)
     if config.compile.enable:
         set_cache_dir(config.compile)
-        apply_compile(model.layers, config.activation_checkpoint)
+        # Ring attention's send/recv cannot be traced: under CP each block compiles around it.
+        apply_compile(model.layers, config.activation_checkpoint, fullgraph=dims.cp == 1)
     if data_parallel:
         param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
         apply_fsdp(
