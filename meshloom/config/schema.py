@@ -326,7 +326,8 @@ class Float8Config:
 @dataclass
 class ProfilingConfig:
     enable: bool = False
-    """Write torch.profiler traces (open in Perfetto or TensorBoard) to <dump_folder>/profile/step<N>/rank<R>.pt.trace.json."""
+    """Write torch.profiler traces of the steps below (open in Perfetto or TensorBoard) to
+    <dump_folder>/profile/steps_<first>-<last>/rank<R>.pt.trace.json."""
 
     start_step: int = 3
     """First traced step (the step before it warms the profiler up)."""

@@ -48,9 +48,9 @@ def _registered_ops() -> frozenset[str]:
 def _unknown_op(name: str, reason: str) -> ConfigError:
     candidates = sorted(op.replace("::", ".") for op in _registered_ops())
     close = difflib.get_close_matches(name.rsplit(".", 1)[0] if name.count(".") > 1 else name, candidates, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(
-        f"activation_checkpoint.save_ops names {reason} '{name}'{hint} Write ops as namespace.name[.overload], "
+        f"activation_checkpoint.save_ops names {reason} '{name}'{hint}; write ops as namespace.name[.overload], "
         f"e.g. aten.mm or aten._scaled_dot_product_flash_attention_for_cpu.default, or 'default'"
     )
 
