@@ -49,6 +49,7 @@ class _Recorder:
     folder: Path
     context: Callable[[], dict[str, Any]]
     dumped: bool = False
+    writing: bool = False
 
 
 _recorder: _Recorder | None = None
@@ -65,6 +66,8 @@ def install(run_dir: Path, context: Callable[[], dict[str, Any]] = dict) -> None
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if _recorder is not None and _recorder.writing:
+        return  # interrupting a dump (of a fatal error) would lose it; the process exits right after it anyway
     dump("SIGTERM (sent by torchrun when another rank failed, or by the job scheduler)", traceback.format_stack(frame))
     # Then die of the signal as if no handler were installed, so torchrun sees the usual exit status.
     signal.signal(signum, signal.SIG_DFL)
@@ -82,7 +85,7 @@ def dump(reason: str, stack: list[str] | None = None) -> Path | None:
     recorder = _recorder
     if recorder is None or recorder.dumped or not dist.is_initialized():
         return None
-    recorder.dumped = True
+    recorder.dumped = recorder.writing = True
     try:
         rank = dist.get_rank()
         record = {
@@ -109,6 +112,8 @@ def dump(reason: str, stack: list[str] | None = None) -> Path | None:
     except Exception as err:  # a failing dump must not hide the failure being dumped
         print(f"flight recorder: dump failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return None
+    finally:
+        recorder.writing = False
 
 
 def _thread_stacks() -> dict[str, list[str]]:

@@ -9,6 +9,7 @@ restarted run goes on normally; a NaN follows the data (a bad batch stays bad in
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -21,12 +22,15 @@ from meshloom.parallel.distributed import rank, restart_attempt
 
 # Wrappers that activation checkpointing and torch.compile put into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+# Pipeline stages sit in a ModuleList, which puts the stage index in front of the model's own names.
+_STAGE_INDEX = re.compile(r"^\d+\.")
 
 
 def plain_name(name: str) -> str:
+    """A parameter's name in the single-device model."""
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
-    return name
+    return _STAGE_INDEX.sub("", name)
 
 
 class FaultInjector:
@@ -72,6 +76,8 @@ class FaultInjector:
             if plain_name(name) == self.config.nan_parameter and param.grad is not None:
                 param.grad.fill_(float("nan"))
                 return
+        if isinstance(model, nn.ModuleList):
+            return  # a pipeline rank without that parameter: the stage that holds it poisons it
         raise ValueError(
             f"fault_injection.nan_parameter {self.config.nan_parameter!r} is not a parameter with a gradient on rank "
             f"{rank()}; name one from model.named_parameters(), e.g. 'layers.0.feed_forward.w2.weight'"
