@@ -118,6 +118,29 @@ def test_analyzer_names_the_rank_that_did_not_join_the_collective(runs, capsys) 
     assert "Diverged collective: gloo:all_reduce" in text and "missing: rank 1" in text and "time.sleep" in text
 
 
+def test_analyzer_on_altered_dumps_finds_late_and_mismatched_ranks_and_missing_dumps(runs, tmp_path: Path) -> None:
+    source = find_dump_folder(runs["hang"][0])
+    dumps = {r: json.loads((source / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    entries = [e for e in dumps[1]["traces"]["fr"]["entries"] if not e["is_p2p"]]
+    late, mismatched = entries[4], entries[6]
+    late["time_created_ns"] += 2_500_000_000  # rank 1 reached this collective 2.5 s after rank 0
+    mismatched["profiling_name"] = "gloo:broadcast"  # and called something else here
+    for r, d in dumps.items():
+        (tmp_path / f"rank-{r}.json").write_text(json.dumps(d))
+    report = analyze(tmp_path)
+    assert report.late is not None and report.late.rank == 1 and report.late.seq == late["collective_seq_id"]
+    assert 2.4 < report.late.seconds < 3.5
+    group = mismatched["process_group"][0]
+    assert [(m.group, m.seq, m.calls[1].split()[0]) for m in report.mismatches] == [
+        (group, mismatched["collective_seq_id"], "gloo:broadcast")
+    ]
+    (tmp_path / "rank-1.json").unlink()
+    report = analyze(tmp_path)
+    assert report.no_dump == [1] and report.divergences == [] and report.culprits == [1]
+    with pytest.raises(ValueError, match=r"no Flight Recorder dumps \(rank-N.json\) for any attempt under"):
+        find_dump_folder(tmp_path / "nothing")
+
+
 def test_step_time_spread_shows_the_slow_rank(runs) -> None:
     run_dir, _ = runs["hang"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -6,7 +6,8 @@ members entered collective #N and others stopped at #N-1, #N is the collective t
 are missing from it. Their dump shows where they are instead (the stack at the time of the dump) and the
 last collective they did call. Two ranks at the same number with different ops or sizes are a mismatch
 (ranks disagree on what to call). Entry times tell which rank was the last to arrive at a collective: a
-late rank. Clocks of different hosts are compared as they are.
+late rank. Clocks of different hosts are compared as they are. Point-to-point operations (pipeline sends and
+receives) have no group-wide numbering and are left out.
 
 PyTorch's `torchfrtrace` cannot read gloo dumps (their `pg_config` is empty), hence this reader, which takes
 group membership from the `groups` that meshloom writes next to the trace (see observe/flight_recorder.py).
