@@ -54,6 +54,12 @@ def _export(argv: list[str]) -> int:
     return export_main(argv)
 
 
+def _analyze_hang(argv: list[str]) -> int:
+    from meshloom.tools.analyze_hang import main
+
+    return main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "train a model from a TOML recipe plus --section.field overrides"),
     "prepare": (_prepare, "tokenize text files or `datasets` data into memory-mapped token shards"),
@@ -63,6 +69,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "seed-checkpoint": (_seed_checkpoint, "write a run's initial weights from one process (step-0 checkpoint)"),
     "convert": (_convert, "Hugging Face folder <-> meshloom checkpoint"),
     "export": (_export, "a checkpoint's weights as one safetensors file (bf16) for inference"),
+    "analyze-hang": (_analyze_hang, "read a failed run's Flight Recorder dumps: the diverged collective and the missing rank"),
 }
 
 

@@ -41,10 +41,19 @@ from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, Rng
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.llama3 import hf as llama_hf
+from meshloom.data.build import state_reshards
 from meshloom.models.registry import configured_model_args, get_model_spec
-from meshloom.parallel.distributed import rank
+from meshloom.parallel.dims import ParallelDims
+from meshloom.parallel.distributed import rank, world_size_from_env
+from meshloom.train.fault_injection import FaultInjector
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+
+
+def checkpoint_root(config: Config, run_dir: Path) -> Path:
+    """checkpoint.folder, relative to the run folder unless absolute."""
+    folder = Path(config.checkpoint.folder)
+    return folder if folder.is_absolute() else Path(run_dir) / folder
 
 
 def _world_size() -> int:
@@ -71,10 +80,10 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.interval must be positive, got {c.interval}")
         if c.keep_last_k < 0:
             raise ConfigError(f"checkpoint.keep_last_k must be >= 0 (0 keeps all), got {c.keep_last_k}")
-        self.root = Path(c.folder) if Path(c.folder).is_absolute() else Path(run_dir) / c.folder
-        complete, partial = folders.list_checkpoints(self.root)
+        self.root = checkpoint_root(config, run_dir)
+        complete, _ = folders.list_checkpoints(self.root)
         if c.resume and not complete:
-            found = f"; incomplete saves found: {', '.join(p.name for p in partial)}" if partial else ""
+            found = folders.describe_without_complete(self.root)
             raise ConfigError(
                 f"checkpoint.resume is set but {self.root} holds no complete checkpoint{found}; start without "
                 "--checkpoint.resume, or point job.dump_folder / checkpoint.folder at the run to continue"
@@ -93,6 +102,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None
         self.trainer: Any = None
+        self._faults = FaultInjector(config.fault_injection)
 
     @staticmethod
     def _open_initial(path: str, fmt: str) -> HFFolder | CheckpointInfo:
@@ -117,6 +127,8 @@ class Checkpointer:
         target = complete[-1] if self.settings.resume else self.initial
         if target is None:
             return
+        if self.settings.resume:
+            self._check_data_degree(target)
         try:
             metadata = read_index(target.path)
         except CorruptCheckpointError:
@@ -124,6 +136,24 @@ class Checkpointer:
         with torch.device("meta"):
             model = get_model_spec(self.config.model.name).model_cls(args)
         check_model_shapes(target.path, metadata, {n: t.shape for n, t in model.state_dict().items()}, complete_model=True)
+
+    def _check_data_degree(self, target: CheckpointInfo) -> None:
+        """A loader whose position is per data-parallel rank resumes only under the degree it was saved with."""
+        layout = target.marker.get("layout")
+        if state_reshards(self.config.data) or not layout:
+            return
+        try:
+            dims = ParallelDims.from_config(self.config.parallelism, world_size_from_env())
+        except ConfigError:
+            return  # the trainer reports the impossible layout itself
+        saved = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
+        if saved != dims.dp:
+            raise ConfigError(
+                f"{target.path} was saved with data-parallel degree {saved} (world size {target.marker.get('world_size')}), "
+                f"this run has {dims.dp} (world size {dims.world_size}); data.dataset = {self.config.data.dataset!r} keeps "
+                f"a read position per data-parallel rank, which cannot be resharded. Resume with dp_replicate x dp_shard "
+                f"= {saved}, or prepare the data with `meshloom prepare` (data.dataset = 'shards' resumes under any degree)"
+            )
 
     # ----------------------------------------------------------------- binding and loading
 
@@ -184,6 +214,14 @@ class Checkpointer:
                         f"checkpoint ({complete[i - 1].path.name}) instead, or remove {info.path}"
                     ) from None
                 _say(f"WARNING: {err}; falling back to {complete[i - 1].path.name}")
+
+    def reload_latest(self) -> int | None:
+        """Load the latest complete checkpoint again (a rollback); returns its step, or None if there is none yet."""
+        self.wait()
+        if not folders.list_checkpoints(self.root)[0]:
+            return None
+        self._resume()
+        return self.trainer.step
 
     # ----------------------------------------------------------------- saving
 
@@ -254,6 +292,7 @@ class Checkpointer:
                 blocking: float | None) -> None:  # fmt: skip
         """Checksum the files, then rank 0 commits. DCP's coordinator (rank 0) returns from a save only after
         every rank reported its files written, and the checksum gather is one more rendezvous of all ranks."""
+        self._faults.during_save(step)
         checksums = compute_checksums(path, checkpoint_files(metadata), group)
         if rank() != 0:
             return

@@ -73,6 +73,23 @@ def list_checkpoints(root: Path) -> tuple[list[CheckpointInfo], list[Path]]:
     return complete, partial
 
 
+def describe_without_complete(root: Path, limit: int = 8) -> str:
+    """What a checkpoint root without a complete checkpoint holds, for error messages."""
+    root = Path(root)
+    if not root.exists():
+        return "; the folder does not exist"
+    if not root.is_dir():
+        return "; it is a file, not a folder"
+    _, partial = list_checkpoints(root)
+    if partial:
+        return f"; incomplete saves found: {', '.join(p.name for p in partial)}"
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())
+    if not entries:
+        return "; the folder is empty"
+    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
+    return f"; it holds no step-N folder, only: {', '.join(entries[:limit])}{more}"
+
+
 def open_checkpoint(path: Path) -> CheckpointInfo:
     """A complete checkpoint: a step folder, or a checkpoint root (its latest complete step)."""
     path = Path(path)
@@ -83,10 +100,9 @@ def open_checkpoint(path: Path) -> CheckpointInfo:
         return CheckpointInfo(path, int(marker.get("step", 0)), marker)
     if (path / METADATA_FILE).is_file():
         raise ValueError(f"checkpoint {path} has no {MARKER_FILE}: its save never finished; use an earlier step")
-    complete, partial = list_checkpoints(path)
+    complete, _ = list_checkpoints(path)
     if not complete:
-        found = f" (incomplete: {', '.join(p.name for p in partial)})" if partial else ""
-        raise ValueError(f"{path} holds no complete checkpoint{found}")
+        raise ValueError(f"{path} holds no complete checkpoint{describe_without_complete(path)}")
     return complete[-1]
 
 

@@ -61,8 +61,12 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks CUDA when present, else CPU."""
 
-    nonfinite: Literal["halt", "skip_step"] = "halt"
-    """On a NaN/inf loss or gradient norm: halt (write a diagnostic dump and stop) or skip_step (drop the update)."""
+    nonfinite: Literal["halt", "skip_step", "rollback"] = "halt"
+    """On a NaN/inf loss or gradient norm: halt (write a diagnostic dump and stop), skip_step (drop the update) or
+    rollback (write the dump, reload the latest checkpoint and skip the offending batch; needs checkpoint.enable)."""
+
+    max_rollbacks: int = 3
+    """nonfinite = rollback: stop as halt does after this many rollbacks in one run."""
 
 
 @dataclass
@@ -341,6 +345,55 @@ class ProfilingConfig:
 
 
 @dataclass
+class CommConfig:
+    init_timeout_seconds: float = 300.0
+    """Collective timeout from process-group start through the first step (which includes one-off work such as
+    compilation and the first checkpoint load)."""
+
+    train_timeout_seconds: float = 100.0
+    """Collective timeout after the first step: a rank that stalls longer than this fails the run."""
+
+    flight_recorder: bool = True
+    """On a collective timeout, a fatal error or SIGTERM, each rank writes its Flight Recorder trace and stack to
+    <dump_folder>/flight_recorder/attempt-N/ (read them with `meshloom analyze-hang`)."""
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Testing hooks that break a run on purpose (chaos and recovery tests); every one is off by default."""
+
+    attempt: int = 0
+    """The torchrun restart attempt (TORCHELASTIC_RESTART_COUNT) in which kill, sleep and slow faults fire, so the
+    restarted run recovers."""
+
+    rank: int = 1
+    """The global rank that is killed, sleeps or is slow."""
+
+    kill_at_step: int = 0
+    """SIGKILL `rank` right after this step (0 = never)."""
+
+    kill_during_save: int = 0
+    """SIGKILL `rank` inside the checkpoint save of this step, after its files are written and before the save is
+    committed (0 = never)."""
+
+    sleep_at_step: int = 0
+    """`rank` sleeps sleep_seconds before the loss all-reduce of this step (0 = never): a hang."""
+
+    sleep_seconds: float = 0.0
+    """How long the sleep of sleep_at_step lasts."""
+
+    slow_seconds: float = 0.0
+    """`rank` spins the CPU this long in every step: a straggler."""
+
+    nan_sample_id: int = -1
+    """A step whose batch holds this dataset sample id gets a NaN gradient in nan_parameter, in every attempt:
+    a bad batch (-1 = never)."""
+
+    nan_parameter: str = "layers.0.feed_forward.w2.weight"
+    """The parameter whose gradient nan_sample_id turns into NaN."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -357,3 +410,5 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)

@@ -53,6 +53,16 @@ def validate(config: Config) -> None:
     for name in ("microbatches", "stages_per_rank"):
         value = getattr(config.pipeline, name)
         _require(value >= 0, f"pipeline.{name} must be >= 0 (0 = automatic), got {value}")
+    c, f = config.comm, config.fault_injection
+    _require(c.init_timeout_seconds > 0, f"comm.init_timeout_seconds must be positive, got {c.init_timeout_seconds}")
+    _require(c.train_timeout_seconds > 0, f"comm.train_timeout_seconds must be positive, got {c.train_timeout_seconds}")
+    _require(t.max_rollbacks >= 0, f"training.max_rollbacks must be >= 0, got {t.max_rollbacks}")
+    _require(
+        t.nonfinite != "rollback" or config.checkpoint.enable,
+        "training.nonfinite = 'rollback' reloads the latest checkpoint, but checkpoint.enable is false; "
+        "set --checkpoint.enable true (with a checkpoint.interval) or choose halt / skip_step",
+    )
+    _require(f.sleep_seconds >= 0 and f.slow_seconds >= 0, "fault_injection.sleep_seconds and slow_seconds must be >= 0")
     if par.cp > 1:
         _check_context_parallel(config)
 

@@ -63,6 +63,12 @@ def check_data_config(config: DataConfig) -> None:
         stream_files(config.stream)
 
 
+def state_reshards(config: DataConfig) -> bool:
+    """Whether the training loader's saved position resumes under another data-parallel degree: builtin and
+    shards keep one global sample counter, a stream keeps a read position per data-parallel rank."""
+    return config.dataset != "streaming"
+
+
 def _corpus_tokenizer(config: DataConfig, train_docs: list[Document]) -> Tokenizer:
     return build_tokenizer(config.tokenizer, lambda: [text for _, text in train_docs], config.vocab_size, cache_dir(config))
 

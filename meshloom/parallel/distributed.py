@@ -8,10 +8,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def restart_attempt() -> int:
+    """Which torchrun restart this process belongs to (0 for the first launch, or without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def init_distributed(device: torch.device, timeout_s: float = 300.0) -> int:
@@ -23,8 +29,18 @@ def init_distributed(device: torch.device, timeout_s: float = 300.0) -> int:
     return world_size
 
 
+def set_collective_timeout(timeout_s: float) -> None:
+    """Apply a new timeout to every process group that exists now (the default group and the mesh's groups)."""
+    if not dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's global rank; before the process group starts, the one torchrun gave it (0 without torchrun)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def share_error(message: str | None) -> str | None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from meshloom.config.loader import load_config
+from meshloom.observe import flight_recorder
 from meshloom.parallel.distributed import shutdown_and_exit
 from meshloom.train.nonfinite import NonFiniteError
 
@@ -27,5 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as err:
         print(f"meshloom: {err}", file=sys.stderr)
         code = 1
+    except Exception as err:  # a crash, e.g. a collective timeout: leave this rank's trace for `meshloom analyze-hang`
+        if flight_recorder.dump_on_fatal(err) is None:
+            raise
+        # A broken process group can block in its teardown, so this rank leaves without it.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     shutdown_and_exit(code)  # returns only when no process group was started
     return code

@@ -11,15 +11,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from meshloom.checkpoint.dcp import Checkpointer
+from meshloom.checkpoint.dcp import Checkpointer, checkpoint_root
 from meshloom.config.loader import ConfigError, to_dict
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
 from meshloom.models.registry import configured_model_args, get_model_spec
+from meshloom.observe import flight_recorder
 from meshloom.observe.logging import MetricLogger
+from meshloom.observe.stragglers import RankStepTimes
 from meshloom.parallel.context import batch_sharder
 from meshloom.parallel.dims import ParallelDims
-from meshloom.parallel.distributed import init_distributed, rank, share_error
+from meshloom.parallel.distributed import init_distributed, rank, set_collective_timeout, share_error, world_size_from_env
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
 from meshloom.parallel.pipeline import plan_pipeline
 from meshloom.parallel.tensor import local_value, loss_parallel_context
@@ -31,7 +33,9 @@ from meshloom.train.loss import cross_entropy_loss
 from meshloom.train.lr import build_lr_scheduler
 from meshloom.train.model_setup import build_model, model_num_params
 from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
-from meshloom.train.nonfinite import NonFiniteError, drop_gradients, is_finite, write_dump
+from meshloom.train.fault import resume_after_restart
+from meshloom.train.fault_injection import FaultInjector
+from meshloom.train.nonfinite import NonFinitePolicy, is_finite
 from meshloom.train.optim import OptimizerGroup, build_optimizer
 from meshloom.train.option_checks import check_compute_options
 from meshloom.train.runtime import seed_everything, select_device
@@ -44,6 +48,7 @@ class StepResult:
     lr: float
     skipped: bool
     sample_ids: list[int]
+    rolled_back_from: int | None = None  # nonfinite = rollback: the failed step; training continues from the reloaded one
 
 
 class Trainer:
@@ -61,9 +66,13 @@ class Trainer:
                 f"{self.model_args.max_seq_len}; lower training.seq_len"
             )
         check_data_config(config.data)
+        resume_after_restart(config, checkpoint_root(config, self.run_dir))
         self.checkpointer = Checkpointer(config, self.run_dir)
         self.device = select_device(tc.device)
-        self.world_size = init_distributed(self.device)
+        if config.comm.flight_recorder and world_size_from_env() > 1:
+            flight_recorder.install(self.run_dir, lambda: {"steps_completed": self.step})
+        self.step = 0
+        self.world_size = init_distributed(self.device, config.comm.init_timeout_seconds)
         self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
         a = self.model_args
         self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
@@ -106,7 +115,9 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, tc.steps)
-        self.step = 0
+        self.faults = FaultInjector(config.fault_injection)
+        self.nonfinite = NonFinitePolicy(tc, self.run_dir, self.model, self.checkpointer)
+        self.step_times = RankStepTimes(self.device)
 
         self.tokens_per_step = tc.seq_len * tc.local_batch_size * self.grad_accum_steps * self.dp_size
         self.checkpointer.load(self)  # resume, or an initial load of weights
@@ -187,6 +198,7 @@ class Trainer:
         self.model.train()
         total_loss = torch.zeros((), device=self.device)
         sample_ids: list[int] = []
+        self.nonfinite.skip_offending_batch(self.step + 1, self.data.train, self.grad_accum_steps)
         for micro in range(self.grad_accum_steps):
             batch = self.shard_batch(self.data.train.next_batch())
             sample_ids += batch.sample_ids.tolist()
@@ -200,6 +212,8 @@ class Trainer:
                 loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids) / self.grad_accum_steps
                 loss.backward()
             total_loss += local_value(loss.detach())
+        self.faults.after_backward(self.model, sample_ids)
+        self.faults.before_loss_reduce(self.step + 1)
         if self.dims.is_distributed:
             # Each data-parallel rank saw different samples: report the global mean.
             dist.all_reduce(total_loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
@@ -211,13 +225,11 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]
         self.step += 1
 
-        skipped = False
+        skipped, failed_step = False, None
         if not is_finite(loss_value, grad_norm):
-            if self.config.training.nonfinite == "halt":
-                dump = write_dump(self.run_dir, self.step, loss_value, grad_norm, self.model, sample_ids)
-                raise NonFiniteError(f"non-finite loss {loss_value} or grad norm {grad_norm} at step {self.step}; diagnostics in {dump}")
-            drop_gradients(self.model)
-            skipped = True
+            skipped, failed_step = True, self.step
+            if self.nonfinite.handle(self.step, loss_value, grad_norm, sample_ids) is None:
+                failed_step = None  # the update was dropped in place; the step counts
         else:
             if self.config.training.max_norm > 0:
                 clip_grads_(self.model.parameters(), self.config.training.max_norm, grad_norm_tensor)
@@ -225,7 +237,7 @@ class Trainer:
             sync_float8_scales(self.model, self.config.float8, self.fsdp)
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_value, grad_norm, lr, skipped, sample_ids)
+        return StepResult(loss_value, grad_norm, lr, skipped, sample_ids, failed_step)
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -259,12 +271,21 @@ class Trainer:
     def train(self) -> list[float]:
         """Run to `training.steps`; returns the per-step losses."""
         losses = []
+        first_step = self.step
         self.throughput.reset()
         self.profiler.start(self.step)
         while self.step < self.config.training.steps:
+            self.step_times.start()
             result = self.train_step()
+            self.step_times.stop()
             self.profiler.step(self.step)
+            if result.rolled_back_from is not None:  # the steps after the reloaded checkpoint are trained again
+                self.logger.log(result.rolled_back_from, {"loss": result.loss, "grad_norm": result.grad_norm, "rolled_back_to": self.step})
+                del losses[max(0, self.step - first_step) :]
+                continue
             losses.append(result.loss)
+            if self.step == first_step + 1:  # one-off start-up work is done: a stall from now on is a hang
+                set_collective_timeout(self.config.comm.train_timeout_seconds)
             self.throughput.update(self.tokens_per_step)
             self.logger.advance()
             metrics: dict[str, float] = {}
@@ -277,12 +298,14 @@ class Trainer:
                     lr=result.lr,
                     **self.throughput.report().as_metrics(),
                     memory_gib=peak_memory_bytes(self.device) / 2**30,
+                    **self.step_times.report(),
                 )
                 if result.skipped:
                     metrics["skipped_step"] = 1.0
             if metrics:
                 self.logger.log(self.step, metrics)
             self.checkpointer.maybe_save()
+            self.faults.after_step(self.step)
         self.profiler.stop()
         self.logger.close()
         return losses
