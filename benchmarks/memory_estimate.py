@@ -5,7 +5,9 @@
 Each layout trains two steps of a small model under torchrun (gloo). The second step runs inside torch's
 memory tracker (`FSDPMemTracker` with FSDP, `MemTracker` otherwise), which follows every tensor storage and
 sorts it into parameters, gradients, optimizer state, activations and temporaries; the activation figure is
-the tracker's at its peak. Parameters, gradients (kept after the step) and optimizer state are counted
+the tracker's at its peak. Tensors that activation checkpointing recomputes in backward are activations too
+(`book_recomputation_as_activations`): with them, the peak of a checkpointed run is the backward of its last
+block, not the end of forward. Parameters, gradients (kept after the step) and optimizer state are counted
 from the local shards. Each is divided by the estimate of `meshloom.observe.memory_estimate` for the same
 rank (max over ranks shown). Targets: within 10% for parameters, gradients and optimizer, 25% for activations.
 """
@@ -13,14 +15,17 @@ rank (max over ranks shown). Targets: within 10% for parameters, gradients and o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 LAYOUTS = [
     "",  # one process
@@ -29,10 +34,20 @@ LAYOUTS = [
     "pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1",  # the tracker follows one call per module
     "dp_shard=2,tp=2",
     "dp_shard=4",
+    # Activation checkpointing over 1, 2 and 4 ranks of FSDP, TP and PP.
     "activation_checkpoint.mode=full",
     "activation_checkpoint.mode=selective_op",
     "dp_shard=2,activation_checkpoint.mode=full",
+    "dp_shard=2,activation_checkpoint.mode=selective_op",
+    "tp=2,activation_checkpoint.mode=full",
     "tp=2,activation_checkpoint.mode=selective_op",
+    "pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1,activation_checkpoint.mode=full",
+    "pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1,activation_checkpoint.mode=selective_op",
+    "dp_shard=4,activation_checkpoint.mode=full",
+    "dp_shard=2,tp=2,activation_checkpoint.mode=selective_op",
+    "dp_shard=2,pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1,activation_checkpoint.mode=full",
+    "activation_checkpoint.mode=selective_layer,activation_checkpoint.every_k_layers=2",
+    "dp_shard=2,activation_checkpoint.mode=selective_layer,activation_checkpoint.every_k_layers=4",
 ]
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 TARGETS = {"params": 0.10, "grads": 0.10, "optimizer": 0.10, "activations": 0.25}
@@ -60,6 +75,55 @@ def local_bytes(tensors) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         total += t.numel() * t.element_size()
     return total
+
+
+@contextlib.contextmanager
+def book_recomputation_as_activations(tracker):
+    """Book every tensor made while torch.utils.checkpoint recomputes a block as an activation.
+
+    The trackers book tensors made in backward as temporaries unless they are inside a module that runs
+    forward a second time, which they detect from module hooks. meshloom checkpoints the block's `forward`
+    (not the module), so the block's own hooks do not fire again: FSDPMemTracker, which watches only FSDP
+    modules, books the whole recomputation as temporaries, and MemTracker books the tensors made between
+    the block's submodules (the residual sums) as temporaries. Recomputation always runs inside
+    checkpoint's `_recomputation_hook`, so that is where the flag is set.
+    """
+    original = torch.utils.checkpoint._recomputation_hook
+    # Any non-None module: the trackers' own submodule hooks must not end the region early.
+    sentinel = torch.nn.Module()
+
+    class MarkedRecomputation(original):
+        def __enter__(self):
+            self._outer = (tracker._in_ac, tracker._ac_mod)
+            tracker._in_ac, tracker._ac_mod = True, weakref.ref(sentinel)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            tracker._in_ac, tracker._ac_mod = self._outer
+            return super().__exit__(*exc)
+
+    torch.utils.checkpoint._recomputation_hook = MarkedRecomputation
+    try:
+        yield
+    finally:
+        torch.utils.checkpoint._recomputation_hook = original
+
+
+def track_activation_peak(tracker) -> list[int]:
+    """The largest activation total the tracker holds after any op, as a one-element list filled in while
+    it runs. (Its module snapshots are taken when the total peaks, which under checkpointing can miss the
+    activation peak: the recomputation runs next to gradients that are freed again by the total's peak.)"""
+    peak = [0]
+    update = tracker._update_peak_stats
+
+    def update_and_record(state):
+        for by_kind in tracker._curr_mem_snap.values():
+            acts = sum(v for k, v in by_kind.items() if str(getattr(k, "value", k)) == "Activation")
+            peak[0] = max(peak[0], acts)
+        update(state)
+
+    tracker._update_peak_stats = update_and_record
+    return peak
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -91,17 +155,10 @@ def worker(args: argparse.Namespace) -> None:
     else:
         tracker = MemTracker()
         tracker.track_external(*parts, *optimizers)
-    with tracker:
+    activation_peak = track_activation_peak(tracker)
+    with tracker, book_recomputation_as_activations(tracker):
         trainer.train_step()
-    # Activations peak at a module boundary (the end of forward, the start of backward), where the tracker
-    # snapshots every module; the step's overall peak may instead fall in the optimizer step.
-    activation = 0
-    for stats in tracker.memory_tracking.values():
-        for snapshots in stats.snapshots.values():
-            for snapshot in snapshots:
-                for by_kind in snapshot.values():
-                    acts = sum(v for k, v in by_kind.items() if str(getattr(k, "value", k)) == "Activation")
-                    activation = max(activation, acts)
+    activation = activation_peak[0]
     params = [p for part in parts for p in part.parameters()]
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
     measured = {
@@ -146,13 +203,15 @@ def main() -> None:
         worker(args)
         return
     workdir = Path(tempfile.mkdtemp(prefix="meshloom-memory-estimate-"))
+    specs = args.layouts.split(";")
+    width = max(len(spec) for spec in specs + ["1 process"])
     print(f"model {args.flavor}, seq {args.seq_len}, batch {args.batch}, fp32: measured / estimated per rank (worst rank)")
-    print(f"{'layout':<46} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'act MiB':>8}")
+    print(f"{'layout':<{width}} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'act MiB':>8}")
     worst = dict.fromkeys(TARGETS, 0.0)
-    for index, spec in enumerate(args.layouts.split(";")):
+    for index, spec in enumerate(specs):
         ranks = measure(spec, args, workdir, index)
         if isinstance(ranks, str):
-            print(f"{spec or '1 process':<46} not run: {ranks}")
+            print(f"{spec or '1 process':<{width}} not run: {ranks}")
             continue
         ratios = {}
         for kind in TARGETS:
@@ -161,7 +220,7 @@ def main() -> None:
             ratios[kind] = max(((m / e if e else float("inf")) for m, e in pairs), key=lambda x: abs(x - 1))
             worst[kind] = max(worst[kind], abs(ratios[kind] - 1))
         act_mib = max(r["measured"]["activations"] for r in ranks) / 2**20
-        print(f"{spec or '1 process':<46} " + " ".join(f"{ratios[k]:>8.3f}" for k in TARGETS) + f" {act_mib:>8.2f}")
+        print(f"{spec or '1 process':<{width}} " + " ".join(f"{ratios[k]:>8.3f}" for k in TARGETS) + f" {act_mib:>8.2f}")
     print("largest deviation: " + ", ".join(f"{k} {worst[k] * 100:.1f}% (target {TARGETS[k] * 100:.0f}%)" for k in TARGETS))
 
 

@@ -114,8 +114,22 @@ def test_plan_bad_input_names_the_fix(capsys):
     assert "--gpus must be positive" in capsys.readouterr().err
 
 
+def test_selective_layer_estimate_lies_between_none_and_full():
+    args = get_model_args("llama3", "8B")
+    precision = Precision("bf16")
+
+    def activations(ac: str, every_k_layers: int = 1) -> int:
+        layout = Layout(dp_shard=8, ac=ac, every_k_layers=every_k_layers)
+        return estimate_memory(args, layout, 8192, precision).activations
+
+    assert activations("selective_layer", 1) == activations("full")
+    assert activations("selective_layer", args.n_layers + 1) == activations("none")
+    assert activations("full") < activations("selective_layer", 2) < activations("selective_layer", 4) < activations("none")
+
+
 def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
-    """FSDP 2 and TP 2 under torchrun: local shards and the memory tracker's activations vs the estimate."""
+    """FSDP 2 with full checkpointing, TP 2, and one process checkpointing every second block, under torchrun:
+    local shards and the memory tracker's activations (recomputation included) vs the estimate."""
     import argparse
     import importlib.util
     from pathlib import Path
@@ -125,7 +139,12 @@ def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
     bench = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(bench)
     args = argparse.Namespace(flavor="tiny", seq_len=128, batch=2)
-    for index, layout in enumerate(("dp_shard=2", "tp=2")):
+    layouts = (
+        "dp_shard=2,activation_checkpoint.mode=full",
+        "tp=2",
+        "activation_checkpoint.mode=selective_layer,activation_checkpoint.every_k_layers=2",
+    )
+    for index, layout in enumerate(layouts):
         ranks = bench.measure(layout, args, tmp_path, index)
         assert not isinstance(ranks, str), f"{layout}: {ranks}"
         for result in ranks:

@@ -9,14 +9,17 @@ What one rank holds, by kind:
 - optimizer: AdamW's two fp32 moments per parameter;
 - gathered: FSDP's unsharded copies in the compute dtype (two blocks in flight, plus the root's embedding
   and output, which stay gathered from forward to backward), or autocast's bf16 weight copies without FSDP;
-- activations: what autograd keeps for backward, counted tensor by tensor from the model code
+- activations: the peak of what autograd keeps for backward, counted tensor by tensor from the model code
   (see `layer_activation_bytes_per_token`), for the activation-checkpointing mode and the microbatches
-  a pipeline rank holds at once;
-- transient: the largest short-lived buffers (one block recomputed under checkpointing, the logits'
-  gradient at the start of backward).
+  a pipeline rank holds at once. Under checkpointing that peak is usually not the end of forward but the
+  backward of the last block: its recomputed activations live next to the saved inputs of every block
+  (see `recompute_peak_bytes_per_token`); without it, the end of forward, where the fp32 logits are alive
+  until the loss is taken;
+- transient: the logits' gradient at the start of backward.
 
-The peak is parameters + optimizer + the larger of the forward-end phase (activations, gathered weights,
-gradients held over from earlier microbatches) and the backward-end phase (gradients + gathered).
+The peak is parameters + optimizer + the larger of the activation phase (the activation peak, or the
+forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
+microbatches) and the backward-end phase (gradients + gathered).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from dataclasses import dataclass, fields
 
 FP32 = 4
 ADAM_MOMENTS = 2
+# Modes `meshloom plan` chooses from; the estimate also covers selective_layer (every k-th block in full).
 AC_MODES = ("none", "selective_op", "full")
+ESTIMATED_AC_MODES = AC_MODES + ("selective_layer",)
 GIB = 2**30
 
 
@@ -47,6 +52,8 @@ class Layout:
     microbatch_size: int = 1
     microbatches: int = 1
     pipeline_schedule: str = "1F1B"
+    # selective_layer: blocks k, 2k, 3k, ... (counting from 1 over the whole model) are checkpointed.
+    every_k_layers: int = 1
 
     @property
     def world_size(self) -> int:
@@ -63,7 +70,15 @@ class Layout:
 
     def describe(self) -> str:
         degrees = [f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp")]
-        return ",".join(degrees) + f" ac={self.ac} mbs={self.microbatch_size}x{self.microbatches}"
+        ac = f"{self.ac}(k={self.every_k_layers})" if self.ac == "selective_layer" else self.ac
+        return ",".join(degrees) + f" ac={ac} mbs={self.microbatch_size}x{self.microbatches}"
+
+    def block_ac_modes(self, block_ids: range) -> list[str]:
+        """The checkpointing mode of each block, by its index in the whole model (the rule of
+        `meshloom.parallel.activation_checkpoint.checkpointed_block_ids`)."""
+        if self.ac == "selective_layer":
+            return ["full" if (i + 1) % self.every_k_layers == 0 else "none" for i in block_ids]
+        return [self.ac] * len(block_ids)
 
 
 @dataclass(frozen=True)
@@ -165,6 +180,12 @@ class StageShape:
     last: bool
     # Microbatches whose activations this rank holds at its peak.
     inflight: int
+    # Index of the stage's first block in the whole model.
+    first_layer: int = 0
+
+    @property
+    def block_ids(self) -> range:
+        return range(self.first_layer, self.first_layer + self.layers)
 
 
 def pipeline_stages(args, layout: Layout) -> list[StageShape]:
@@ -178,7 +199,7 @@ def pipeline_stages(args, layout: Layout) -> list[StageShape]:
         else:
             # 1F1B family: stage s warms up with pp - s forwards before its first backward.
             inflight = min(layout.microbatches, layout.pp - stage)
-        stages.append(StageShape(layers, stage == 0, stage == layout.pp - 1, inflight))
+        stages.append(StageShape(layers, stage == 0, stage == layout.pp - 1, inflight, sum(counts[:stage])))
     return stages
 
 
@@ -220,12 +241,32 @@ def layer_activation_bytes_per_token(args, ac: str, tp: int, act_bytes: int) -> 
     return norms + attention + ffn
 
 
-def root_activation_bytes_per_token(args, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool) -> float:
-    """The embedding's indices on the first stage; the final norm and the fp32 log-softmax on the last."""
+def recompute_peak_bytes_per_token(args, ac: str, tp: int, act_bytes: int) -> float:
+    """Bytes per token that the backward of one checkpointed block adds to what its forward kept.
+
+    Recomputation rebuilds everything that mode "none" keeps and `ac` does not (selective_op reuses the
+    kept matmul outputs). The block input, kept by the checkpoint, is one of the tensors "none" counts only
+    in fp32, where the attention norm's fp32 copy of its input is the input itself; in a narrower dtype
+    the copy is a new tensor.
+    """
+    if ac == "none":
+        return 0.0
+    block_input = act_bytes * args.dim / tp
+    shared_input = block_input if act_bytes == FP32 else 0.0
+    none = layer_activation_bytes_per_token(args, "none", tp, act_bytes)
+    kept = layer_activation_bytes_per_token(args, ac, tp, act_bytes)
+    return none - (kept - block_input) - shared_input
+
+
+def root_activation_bytes_per_token(
+    args, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True
+) -> float:
+    """The embedding's indices on the first stage; the final norm and the fp32 log-softmax on the last
+    (`first`/`last` = False leaves that end out)."""
     total = 0.0
-    if stage.first:
+    if stage.first and first:
         total += 8  # int64 token ids kept by the embedding's backward
-    if stage.last:
+    if stage.last and last:
         d, a = args.dim, act_bytes
         vocab = args.vocab_size / tp if (tp > 1 and loss_parallel) else args.vocab_size
         total += (FP32 * d + a * d) / tp + a * d + FP32 * vocab
@@ -279,15 +320,31 @@ def estimate_memory(
             gathered = 2 * full_elems  # autocast's bf16 weight copies, kept for backward
         else:
             gathered = 0
-        per_layer = layer_activation_bytes_per_token(args, layout.ac, layout.tp, a)
-        per_root = root_activation_bytes_per_token(args, stage, layout.tp, a, loss_parallel)
-        activations = int(stage.inflight * tokens * (stage.layers * per_layer + per_root))
-        recompute = layer_activation_bytes_per_token(args, "none", layout.tp, a) if layout.ac != "none" else 0.0
         vocab = args.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else args.vocab_size
+        logits = FP32 * vocab if stage.last else 0.0
+        # The pipeline schedule keeps each microbatch's stage output (the fp32 logits on the last stage) until
+        # that microbatch's backward is done.
+        held_output = (logits or a * args.dim / layout.tp) if layout.pp > 1 else 0.0
+        modes = layout.block_ac_modes(stage.block_ids)
+        per_layer = [layer_activation_bytes_per_token(args, mode, layout.tp, a) for mode in modes]
+        per_root = root_activation_bytes_per_token(args, stage, layout.tp, a, loss_parallel) + held_output
+        saved = stage.inflight * tokens * (sum(per_layer) + per_root)
+        # Backward of a checkpointed block j in one microbatch: that microbatch's loss-side activations and
+        # the blocks after j are freed by then, j's recomputed activations live (largest for the last such j).
+        others = (stage.inflight - 1) * tokens * (sum(per_layer) + per_root)
+        first_side = root_activation_bytes_per_token(args, stage, layout.tp, a, loss_parallel, last=False) + held_output
+        recompute_peak = 0.0
+        for j, mode in enumerate(modes):
+            if mode != "none":
+                recompute = recompute_peak_bytes_per_token(args, mode, layout.tp, a)
+                recompute_peak = max(recompute_peak, others + tokens * (sum(per_layer[: j + 1]) + first_side + recompute))
+        # Without a pipeline, the fp32 logits live next to their log-softmax until the loss is taken.
+        loss_logits = logits if layout.pp == 1 else 0.0
+        activations = int(max(saved + tokens * loss_logits, recompute_peak))
         logits_grad = 2 * FP32 * vocab if stage.last else 0.0  # log-softmax's gradient and its input's
-        transient = int(tokens * (recompute + logits_grad))
+        transient = int(tokens * logits_grad)
         grads_during_forward = grads if (accumulate or layout.pp > 1) else 0
-        forward_end = activations + transient + gathered + grads_during_forward
+        forward_end = max(int(saved) + transient, activations) + gathered + grads_during_forward
         backward_end = grads + gathered
         peak = params + optimizer + max(forward_end, backward_end)
         estimate = MemoryEstimate(params, grads, optimizer, gathered, activations, transient, peak)

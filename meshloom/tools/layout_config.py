@@ -6,7 +6,7 @@ import dataclasses
 
 from meshloom.config.loader import ConfigError
 from meshloom.config.schema import Config
-from meshloom.observe.memory_estimate import AC_MODES, Layout, Precision
+from meshloom.observe.memory_estimate import AC_MODES, ESTIMATED_AC_MODES, Layout, Precision
 
 
 def _section(config: Config, name: str):
@@ -22,10 +22,11 @@ def layout_from_config(config: Config, world_size: int) -> Layout:
     tc = config.training
     ac_section = _section(config, "activation_checkpoint")
     ac = ac_section.mode if ac_section is not None else "none"
-    if ac not in AC_MODES:
+    if ac not in ESTIMATED_AC_MODES:
         raise ConfigError(
-            f"activation_checkpoint.mode = {ac!r} has no memory model; estimates cover {', '.join(AC_MODES)}"
+            f"activation_checkpoint.mode = {ac!r} has no memory model; estimates cover {', '.join(ESTIMATED_AC_MODES)}"
         )
+    every_k_layers = ac_section.every_k_layers if ac == "selective_layer" else 1
     dp = dims.dp_replicate * dims.dp_shard
     if dims.pp > 1:
         pipeline = _section(config, "pipeline")
@@ -49,7 +50,8 @@ def layout_from_config(config: Config, world_size: int) -> Layout:
             )
         microbatches = global_batch // (tc.local_batch_size * dp)
     return Layout(
-        dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ac, microbatch_size, microbatches, schedule
+        dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ac, microbatch_size, microbatches, schedule,
+        every_k_layers,
     )
 
 
@@ -79,6 +81,8 @@ def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
     }
     if len(available_ac_modes()) > 1:
         settings["activation_checkpoint"] = {"mode": layout.ac}
+        if layout.ac == "selective_layer":
+            settings["activation_checkpoint"]["every_k_layers"] = layout.every_k_layers
     if layout.pp > 1:
         settings["training"]["local_batch_size"] = layout.microbatch_size * layout.microbatches
         settings["pipeline"] = {"schedule": layout.pipeline_schedule, "microbatches": layout.microbatches}
