@@ -2,74 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Callable
 
-
-def _train(argv: list[str]) -> int:
-    from meshloom.train.main import main
-
-    return main(argv)
-
-
-def _prepare(argv: list[str]) -> int:
-    from meshloom.data.prepare import main
-
-    return main(argv)
-
-
-def _report(argv: list[str]) -> int:
-    from meshloom.tools.report import main
-
-    return main(argv)
-
-
-def _parity(argv: list[str]) -> int:
-    from meshloom.tools.parity import main
-
-    return main(argv)
-
-
-def _plan(argv: list[str]) -> int:
-    from meshloom.tools.plan import main
-
-    return main(argv)
-
-
-def _seed_checkpoint(argv: list[str]) -> int:
-    from meshloom.checkpoint.commands import seed_checkpoint_main
-
-    return seed_checkpoint_main(argv)
-
-
-def _convert(argv: list[str]) -> int:
-    from meshloom.checkpoint.commands import convert_main
-
-    return convert_main(argv)
-
-
-def _export(argv: list[str]) -> int:
-    from meshloom.checkpoint.commands import export_main
-
-    return export_main(argv)
-
-
-def _analyze_hang(argv: list[str]) -> int:
-    from meshloom.tools.analyze_hang import main
-
-    return main(argv)
-
-
-COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "train": (_train, "train a model from a TOML recipe plus --section.field overrides"),
-    "prepare": (_prepare, "tokenize text files or `datasets` data into memory-mapped token shards"),
-    "report": (_report, "plot the loss curves of one or more run folders to a PNG"),
-    "parity": (_parity, "compare parallel layouts' losses with a 1-process reference"),
-    "plan": (_plan, "rank the layouts of a GPU cluster by estimated step time; write the best as TOML"),
-    "seed-checkpoint": (_seed_checkpoint, "write a run's initial weights from one process (step-0 checkpoint)"),
-    "convert": (_convert, "Hugging Face folder <-> meshloom checkpoint"),
-    "export": (_export, "a checkpoint's weights as one safetensors file (bf16) for inference"),
-    "analyze-hang": (_analyze_hang, "read a failed run's Flight Recorder dumps: the diverged collective and the missing rank"),
+# command -> ("module:function" taking argv and returning an exit code, help). Imported on use, so
+# `meshloom --help` and a typo answer without importing torch.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("meshloom.train.main:main", "train a model from a TOML recipe plus --section.field overrides"),
+    "prepare": ("meshloom.data.prepare:main", "tokenize text files or `datasets` data into memory-mapped token shards"),
+    "report": ("meshloom.tools.report:main", "plot the loss curves of one or more run folders to a PNG"),
+    "parity": ("meshloom.tools.parity:main", "compare parallel layouts' losses with a 1-process reference"),
+    "plan": ("meshloom.tools.plan:main", "rank the layouts of a GPU cluster by estimated step time; write the best as TOML"),
+    "seed-checkpoint": (
+        "meshloom.checkpoint.commands:seed_checkpoint_main",
+        "write a run's initial weights from one process (step-0 checkpoint)",
+    ),
+    "convert": ("meshloom.checkpoint.commands:convert_main", "Hugging Face folder <-> meshloom checkpoint"),
+    "export": ("meshloom.checkpoint.commands:export_main", "a checkpoint's weights as one safetensors file (bf16) for inference"),
+    "analyze-hang": (
+        "meshloom.tools.analyze_hang:main",
+        "read a failed run's Flight Recorder dumps: the diverged collective and the missing rank",
+    ),
 }
 
 
@@ -88,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"meshloom: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return COMMANDS[command][0](rest)
+    module_name, _, function_name = COMMANDS[command][0].partition(":")
+    return getattr(importlib.import_module(module_name), function_name)(rest)
 
 
 if __name__ == "__main__":
