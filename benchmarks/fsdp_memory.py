@@ -18,13 +18,7 @@ from pathlib import Path
 
 import torch
 
-
-def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
+from meshloom.observe.metrics import local_tensor_bytes
 
 
 def worker(flavor: str, out: Path) -> None:
@@ -42,7 +36,11 @@ def worker(flavor: str, out: Path) -> None:
     trainer.train_step()
     params = list(trainer.model.parameters())
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
-    sizes = {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params), "optimizer": local_bytes(state)}
+    sizes = {
+        "params": local_tensor_bytes(params),
+        "grads": local_tensor_bytes(p.grad for p in params),
+        "optimizer": local_tensor_bytes(state),
+    }
     (out.parent / f"{out.stem}_rank{rank()}.json").write_text(json.dumps(sizes))
     shutdown_and_exit(0)
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.utils.checkpoint
 
+from meshloom.observe.metrics import local_tensor_bytes
+
 LAYOUTS = [
     "",  # one process
     "dp_shard=2",
@@ -67,14 +69,6 @@ def world_size(spec: str) -> int:
         key, _, value = item.partition("=")
         size *= int(value) if key in DEGREES else 1
     return size
-
-
-def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
 
 
 @contextlib.contextmanager
@@ -162,9 +156,9 @@ def worker(args: argparse.Namespace) -> None:
     params = [p for part in parts for p in part.parameters()]
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
     measured = {
-        "params": local_bytes(params),
-        "grads": local_bytes(p.grad for p in params if p.grad is not None),
-        "optimizer": local_bytes(state),
+        "params": local_tensor_bytes(params),
+        "grads": local_tensor_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_tensor_bytes(state),
         "activations": activation,
     }
     layout = layout_from_config(config, trainer.world_size)

@@ -7,6 +7,8 @@ is comparable across activation-checkpointing settings.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import re
 import sys
 import time
@@ -158,6 +160,15 @@ def peak_flops_per_second(
             stacklevel=2,
         )
     return 0.0
+
+
+def local_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank holds for `tensors`: only the local shard of a DTensor counts."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += local.numel() * local.element_size()
+    return total
 
 
 def peak_memory_bytes(device: torch.device) -> int:
