@@ -38,7 +38,7 @@ from meshloom.checkpoint.reading import (
     verify,
 )
 from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, RngState, TrainState
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.llama3 import hf as llama_hf
 from meshloom.data.build import state_reshards

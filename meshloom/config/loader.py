@@ -16,16 +16,14 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
+from meshloom.config.validate import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration mistake made by the user."""
 
 
 def _close_match(word: str, choices: list[str]) -> str:
@@ -169,8 +167,6 @@ def parse_args(argv: list[str]) -> tuple[Path | None, list[tuple[str, str]], boo
 
 def load_config(argv: list[str]) -> Config:
     """TOML recipe first, then CLI overrides in order, then validation."""
-    from meshloom.config.validate import validate
-
     config_path, overrides, wants_help = parse_args(argv)
     if wants_help:
         print(help_text())

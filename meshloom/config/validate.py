@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 
 # Attention mask kinds the context-parallel ring attention implements (a document mask is not one yet).

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import DataConfig
 from meshloom.data.builtin_corpus import Document, load_documents, split_documents
 from meshloom.data.loader import Batch, PackedDataset, StatefulLoader, tokenize_corpus

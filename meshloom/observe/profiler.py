@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ProfilingConfig
 
 # Allocation events kept by the CUDA allocator history (each holds a stack); enough for several steps.

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ActivationCheckpointConfig
 
 # Kept by "default": what is expensive to recompute (matmuls, attention kernels of every backend,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ParallelismConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

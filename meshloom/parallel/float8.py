@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Float8Config
 
 # How far the loss of a Float8 run may drift from the same run in bf16 over a few steps of the tiny test model

@@ -29,7 +29,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config, PipelineConfig
 from meshloom.parallel.dims import ParallelDims
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.observe.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops

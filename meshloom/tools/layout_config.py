@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.observe.memory_estimate import AC_MODES, ESTIMATED_AC_MODES, Layout, Precision
 

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 from meshloom.models.registry import get_model_args
 from meshloom.observe.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
 from meshloom.observe.memory_estimate import GIB, Layout, MemoryEstimate, Precision, estimate_memory

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from meshloom.config.loader import ConfigError
+from meshloom.config.errors import ConfigError
 
 
 def select_device(choice: str) -> torch.device:
