@@ -8,7 +8,7 @@ sorts it into parameters, gradients, optimizer state, activations and temporarie
 the tracker's at its peak. Tensors that activation checkpointing recomputes in backward are activations too
 (`book_recomputation_as_activations`): with them, the peak of a checkpointed run is the backward of its last
 block, not the end of forward. Parameters, gradients (kept after the step) and optimizer state are counted
-from the local shards. Each is divided by the estimate of `meshloom.observe.memory_estimate` for the same
+from the local shards. Each is divided by the estimate of `meshloom.planning.memory_estimate` for the same
 rank (max over ranks shown). Targets: within 10% for parameters, gradients and optimizer, 25% for activations.
 """
 
@@ -126,9 +126,9 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from meshloom.config import load_config
-    from meshloom.observe.memory_estimate import estimate_memory
+    from meshloom.planning.layout import layout_of, precision_from_config
+    from meshloom.planning.memory_estimate import estimate_memory
     from meshloom.parallel.distributed import rank, shutdown_and_exit
-    from meshloom.tools.layout_config import layout_from_config, precision_from_config
     from meshloom.train.trainer import Trainer
 
     config = load_config([
@@ -161,9 +161,9 @@ def worker(args: argparse.Namespace) -> None:
         "optimizer": local_tensor_bytes(state),
         "activations": activation,
     }
-    layout = layout_from_config(config, trainer.world_size)
+    layout = layout_of(trainer.plan)
     stage = rank() // (trainer.world_size // layout.pp)
-    estimate = estimate_memory(trainer.model_args, layout, args.seq_len, precision_from_config(config), stage_index=stage)
+    estimate = estimate_memory(trainer.plan.shape(), layout, args.seq_len, precision_from_config(config), stage_index=stage)
     estimated = {"params": estimate.params, "grads": estimate.grads, "optimizer": estimate.optimizer, "activations": estimate.activations}
     (args.out.parent / f"{args.out.stem}_rank{rank()}.json").write_text(json.dumps({"measured": measured, "estimated": estimated}))
     shutdown_and_exit(0)

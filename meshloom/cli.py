@@ -14,11 +14,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "parity": ("meshloom.tools.parity:main", "compare parallel layouts' losses with a 1-process reference"),
     "plan": ("meshloom.tools.plan:main", "rank the layouts of a GPU cluster by estimated step time; write the best as TOML"),
     "seed-checkpoint": (
-        "meshloom.checkpoint.commands:seed_checkpoint_main",
+        "meshloom.tools.checkpoint_commands:seed_checkpoint_main",
         "write a run's initial weights from one process (step-0 checkpoint)",
     ),
-    "convert": ("meshloom.checkpoint.commands:convert_main", "Hugging Face folder <-> meshloom checkpoint"),
-    "export": ("meshloom.checkpoint.commands:export_main", "a checkpoint's weights as one safetensors file (bf16) for inference"),
+    "convert": ("meshloom.tools.checkpoint_commands:convert_main", "Hugging Face folder <-> meshloom checkpoint"),
+    "export": ("meshloom.tools.checkpoint_commands:export_main", "a checkpoint's weights as one safetensors file (bf16) for inference"),
     "analyze-hang": (
         "meshloom.tools.analyze_hang:main",
         "read a failed run's Flight Recorder dumps: the diverged collective and the missing rank",

@@ -14,7 +14,7 @@ import pytest
 from hf_fixtures import llama_config, save_random_llama
 
 from meshloom.checkpoint import folders
-from meshloom.checkpoint.commands import seed_checkpoint
+from meshloom.tools.checkpoint_commands import seed_checkpoint
 from meshloom.data.builtin_corpus import load_documents
 from meshloom.tools.resume_cases import Case, CaseResult, launch, run_case
 

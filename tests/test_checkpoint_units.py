@@ -134,7 +134,7 @@ def test_model_of_another_shape_names_the_first_mismatched_tensor(straight, tmp_
         ValueError, match=r"tensor 'tok_embeddings.weight' has shape \[512, 64\] in checkpoint .*step-10 but \[2048, 256\] in this "
         r"model \(it was saved from model.name='llama3', model.flavor='tiny'\)"
     ):
-        Checkpointer(config, run_dir)
+        _checkpointer(config, run_dir)
 
 
 def test_resume_needs_a_complete_checkpoint_and_saving_needs_resume(straight, tmp_path: Path) -> None:
@@ -143,11 +143,11 @@ def test_resume_needs_a_complete_checkpoint_and_saving_needs_resume(straight, tm
     shutil.copytree(root / "step-5", empty / "checkpoint" / "step-3")
     (empty / "checkpoint" / "step-3" / folders.MARKER_FILE).unlink()
     with pytest.raises(ConfigError, match=r"holds no complete checkpoint; incomplete saves found: step-3"):
-        Checkpointer(load_config(["--job.dump_folder", str(empty)] + RESUME), empty)
+        _checkpointer(load_config(["--job.dump_folder", str(empty)] + RESUME), empty)
     with pytest.raises(ConfigError, match=r"already holds checkpoints up to step 10; pass --checkpoint.resume true"):
-        Checkpointer(load_config(CHECKPOINT), root.parent)
+        _checkpointer(load_config(CHECKPOINT), root.parent)
     with pytest.raises(ConfigError, match=r"initial_load_path: .*holds no complete checkpoint"):
-        Checkpointer(load_config(["--checkpoint.initial_load_path", str(empty / "checkpoint")]), tmp_path / "run")
+        _checkpointer(load_config(["--checkpoint.initial_load_path", str(empty / "checkpoint")]), tmp_path / "run")
 
 
 def _short_trainer(run_dir: Path, workdir: Path, *overrides: str) -> Trainer:
@@ -220,3 +220,11 @@ def test_non_tensor_values_load_without_arbitrary_unpickling(tmp_path: Path) -> 
     assert plain["plain"] == {"lr": 0.1, "betas": (0.9, 0.95), "name": "x"}
     with pytest.raises(CorruptCheckpointError, match=r"Weights only load failed|Unsupported global"):
         load_state({"evil": None}, tmp_path)
+
+
+def _checkpointer(config, run_dir):
+    """A checkpointer as the trainer builds it: from the run plan of this launch's world size."""
+    from meshloom.parallel.distributed import world_size_from_env
+    from meshloom.planning.run_plan import RunPlan
+
+    return Checkpointer(RunPlan.build(config, world_size_from_env()), run_dir)

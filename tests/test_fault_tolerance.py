@@ -152,15 +152,13 @@ def test_step_time_spread_shows_the_slow_rank(runs) -> None:
 
 
 def test_bad_input_for_resuming(runs, tmp_path: Path, monkeypatch) -> None:
-    from meshloom.checkpoint.dcp import Checkpointer
-
     resume = ["--checkpoint.enable", "true", "--checkpoint.resume", "true"]
     (tmp_path / "checkpoint" / "tmp").mkdir(parents=True)
     (tmp_path / "checkpoint" / "notes.txt").write_text("x")
     with pytest.raises(ConfigError, match=r"holds no complete checkpoint; it holds no step-N folder, only: notes.txt, tmp/"):
-        Checkpointer(load_config(resume), tmp_path)
+        _checkpointer(load_config(resume), tmp_path)
     with pytest.raises(ConfigError, match=r"holds no complete checkpoint; the folder does not exist"):
-        Checkpointer(load_config(resume), tmp_path / "elsewhere")
+        _checkpointer(load_config(resume), tmp_path / "elsewhere")
 
     # The chaos run's checkpoints were saved by 2 data-parallel ranks. Only the degrees are compared: resumed on 4
     # ranks, a streaming run stops before anything is built, any other dataset goes on.
@@ -171,5 +169,14 @@ def test_bad_input_for_resuming(runs, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=r"saved with data-parallel degree 2 \(world size 2\), this run has 4 \(world size 4\); "
                        r"data.dataset = 'streaming' keeps a read position per data-parallel rank"):  # fmt: skip
-        Checkpointer(load_config(resume + streaming), run_dir)
-    Checkpointer(load_config(resume + ["--model.flavor", "tiny"]), run_dir)  # a global sample counter reshards
+        _checkpointer(load_config(resume + streaming), run_dir)
+    _checkpointer(load_config(resume + ["--model.flavor", "tiny"]), run_dir)  # a global sample counter reshards
+
+
+def _checkpointer(config, run_dir):
+    """A checkpointer as the trainer builds it: from the run plan of this launch's world size."""
+    from meshloom.checkpoint.dcp import Checkpointer
+    from meshloom.parallel.distributed import world_size_from_env
+    from meshloom.planning.run_plan import RunPlan
+
+    return Checkpointer(RunPlan.build(config, world_size_from_env()), run_dir)

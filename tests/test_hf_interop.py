@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import meshloom
 from meshloom.checkpoint import folders
-from meshloom.checkpoint.commands import convert_main, export_main
+from meshloom.tools.checkpoint_commands import convert_main, export_main
 from meshloom.checkpoint.hf import HFFolder
 from meshloom.config.loader import ConfigError, load_config
 from meshloom.models.llama3 import hf as llama_hf
@@ -158,13 +158,11 @@ def test_pickled_weights_are_refused(tmp_path: Path) -> None:
 
 
 def test_initial_load_from_hf_with_another_shape_fails_before_building(hf_folder: Path, tmp_path: Path) -> None:
-    from meshloom.checkpoint.dcp import Checkpointer
-
     config = load_config(
         ["--model.flavor", "debug", "--checkpoint.initial_load_path", str(hf_folder), "--checkpoint.initial_load_format", "hf"]
     )
     with pytest.raises(ConfigError, match=r"does not match model.flavor='debug' .*dim: 64 vs 256"):
-        Checkpointer(config, tmp_path / "run")
+        _checkpointer(config, tmp_path / "run")
 
 
 def test_convert_rejects_unknown_source(tmp_path: Path) -> None:
@@ -192,3 +190,12 @@ def test_published_llama_configs_map_onto_our_flavors() -> None:
         args = llama_hf.args_from_hf_config({**llama_8b, "hidden_size": width, "num_attention_heads": 8,
                                             "num_key_value_heads": 8, "intermediate_size": intermediate})  # fmt: skip
         assert args.ffn_hidden_dim == intermediate
+
+
+def _checkpointer(config, run_dir):
+    """A checkpointer as the trainer builds it: from the run plan of this launch's world size."""
+    from meshloom.checkpoint.dcp import Checkpointer
+    from meshloom.parallel.distributed import world_size_from_env
+    from meshloom.planning.run_plan import RunPlan
+
+    return Checkpointer(RunPlan.build(config, world_size_from_env()), run_dir)

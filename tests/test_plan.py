@@ -7,11 +7,17 @@ import dataclasses
 import pytest
 
 from meshloom.config.loader import ConfigError, load_config
-from meshloom.models.registry import get_model_args
-from meshloom.observe.memory_estimate import Layout, Precision, estimate_memory
-from meshloom.tools.dry_run import dry_run, split_dry_run_args
-from meshloom.tools.layout_config import available_ac_modes, layout_from_config
-from meshloom.tools.plan import Cluster, main as plan_main, plan
+from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.planning.dry_run import dry_run, split_dry_run_args
+from meshloom.planning.layout import Layout, Precision, layout_of
+from meshloom.planning.memory_estimate import estimate_memory
+from meshloom.planning.planner import Cluster, plan
+from meshloom.planning.run_plan import RunPlan
+from meshloom.tools.plan import main as plan_main
+
+
+def _shape(flavor: str):
+    return get_model_spec("llama3").shape_model(get_model_args("llama3", flavor))
 
 
 def _config(*overrides: str):
@@ -45,7 +51,7 @@ def test_dry_run_405b_on_512_ranks_is_fast_and_sharded():
     # Rank 0 holds its stage's blocks and the embedding: about 1/512 of the model, in fp32.
     assert report.built_param_bytes == report.rank_params
     assert 0.8 < report.built_param_bytes / (4 * 405.85e9 / 512) < 1.2
-    assert set(report.comm_bytes) == {"tp", "cp", "dp_shard", "dp_replicate", "pp"}
+    assert set(report.comm_bytes) == {"tp", "cp", "dp_shard", "dp_replicate", "pp", "ep"}
     assert report.comm_bytes["tp"] > 0 and report.comm_bytes["dp_shard"] > 0 and report.comm_bytes["pp"] > 0
     assert report.model_flops > 0 and total.n_layers == 126
 
@@ -60,7 +66,7 @@ def test_dry_run_rejects_a_world_size_the_layout_cannot_use():
 
 
 def test_memory_per_rank_falls_with_every_sharding_degree():
-    args = get_model_args("llama3", "70B")
+    args = _shape("70B")
     base = Layout(dp_shard=2, tp=2, pp=2, cp=2, ac="selective_op", microbatch_size=1, microbatches=8)
     precision = Precision("bf16")
     before = estimate_memory(args, base, 8192, precision)
@@ -74,12 +80,6 @@ def test_memory_per_rank_falls_with_every_sharding_degree():
     assert checkpointed.activations < before.activations < unchecked.activations
 
 
-NEEDS_AC = pytest.mark.skipif(
-    len(available_ac_modes()) == 1, reason="needs the [activation_checkpoint] section (8B at seq 8192 fits only with it)"
-)
-
-
-@NEEDS_AC
 def test_plan_picks_pure_fsdp_for_8b_on_8_gpus():
     best = plan("8B", Cluster(gpus=8, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=8)[0].layout
     assert (best.dp_shard, best.dp_replicate, best.tp, best.pp, best.cp) == (8, 1, 1, 1, 1)
@@ -100,7 +100,7 @@ def test_plan_writes_a_config_that_loads_back_to_the_same_layout(tmp_path, capsy
     best = plan("70B", Cluster(gpus=64, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=128)[0].layout
     config = load_config(["--config", str(out)])
     assert config.model.flavor == "70B" and config.training.seq_len == 8192
-    assert layout_from_config(config, 64) == best
+    assert layout_of(RunPlan.build(config, 64)) == best
 
 
 def test_plan_bad_input_names_the_fix(capsys):
@@ -115,7 +115,7 @@ def test_plan_bad_input_names_the_fix(capsys):
 
 
 def test_selective_layer_estimate_lies_between_none_and_full():
-    args = get_model_args("llama3", "8B")
+    args = _shape("8B")
     precision = Precision("bf16")
 
     def activations(ac: str, every_k_layers: int = 1) -> int:

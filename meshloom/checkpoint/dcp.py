@@ -1,15 +1,16 @@
 """Distributed checkpoints of a training run: save (sync or async), atomic commit, resume, initial loads.
 
 Folder layout and the commit marker live in `folders.py`, what a checkpoint holds in `state.py`, checks
-and safe reading in `reading.py`. The trainer talks to one `Checkpointer`: built early (it only checks
-settings and files), then `load(trainer)` once model, optimizer and data exist, then `maybe_save()`
-after every step.
+and safe reading in `reading.py`. A run talks to one `Checkpointer`: built early from the run plan (it only
+checks settings and files), then `bind(parts)` once model, optimizer and data exist, `load()`, and
+`maybe_save()` after every step. It never sees the trainer: only the parts it saves.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -37,17 +37,13 @@ from meshloom.checkpoint.reading import (
     read_index,
     verify,
 )
-from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, RngState, TrainState
+from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, RngState, TrainingParts, TrainState
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.models.llama3 import hf as llama_hf
 from meshloom.data.build import state_reshards
-from meshloom.models.registry import configured_model_args, get_model_spec
-from meshloom.parallel.dims import ParallelDims
-from meshloom.parallel.distributed import rank, world_size_from_env
-from meshloom.train.fault_injection import FaultInjector
-
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+from meshloom.parallel.dims import DEGREE_NAMES
+from meshloom.parallel.distributed import rank
+from meshloom.planning.run_plan import RunPlan
 
 
 def checkpoint_root(config: Config, run_dir: Path) -> Path:
@@ -72,14 +68,14 @@ class _PendingSave:
 
 
 class Checkpointer:
-    def __init__(self, config: Config, run_dir: Path):
-        """Checks settings and files only; nothing heavy is read or built yet."""
-        self.config = config
+    def __init__(self, plan: RunPlan, run_dir: Path, before_commit: Callable[[int], None] | None = None):
+        """Checks settings and files only; nothing heavy is read or built yet.
+
+        before_commit(step) runs on every rank once a save's files are written, before it is committed (a hook for
+        fault-injection tests)."""
+        self.plan = plan
+        self.config = config = plan.config
         c = self.settings = config.checkpoint
-        if c.interval <= 0:
-            raise ConfigError(f"checkpoint.interval must be positive, got {c.interval}")
-        if c.keep_last_k < 0:
-            raise ConfigError(f"checkpoint.keep_last_k must be >= 0 (0 keeps all), got {c.keep_last_k}")
         self.root = checkpoint_root(config, run_dir)
         complete, _ = folders.list_checkpoints(self.root)
         if c.resume and not complete:
@@ -101,8 +97,8 @@ class Checkpointer:
         self._async_group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None
-        self.trainer: Any = None
-        self._faults = FaultInjector(config.fault_injection)
+        self._before_commit = before_commit or (lambda step: None)
+        self.parts: TrainingParts | None = None
 
     @staticmethod
     def _open_initial(path: str, fmt: str) -> HFFolder | CheckpointInfo:
@@ -114,9 +110,14 @@ class Checkpointer:
 
     def _precheck(self, complete: list[CheckpointInfo]) -> None:
         """Compare what will be loaded with the configured model's shapes before anything heavy is built."""
-        args = configured_model_args(self.config.model)
+        spec, args = self.plan.spec, self.plan.model_args
         if isinstance(self.initial, HFFolder):
-            differences = llama_hf.shape_differences(args, self.initial.args)
+            if self.initial.spec.name != spec.name:
+                raise ConfigError(
+                    f"checkpoint.initial_load_path {self.initial.path} holds a {self.initial.spec.name} model, but "
+                    f"model.name = {spec.name!r}; set model.name = {self.initial.spec.name!r} and a matching model.flavor"
+                )
+            differences = spec.hf.shape_differences(args, self.initial.args)
             if differences:
                 raise ConfigError(
                     f"checkpoint.initial_load_path {self.initial.path} does not match model.flavor="
@@ -134,7 +135,7 @@ class Checkpointer:
         except CorruptCheckpointError:
             return  # reported, or fallen back from, when loading
         with torch.device("meta"):
-            model = get_model_spec(self.config.model.name).model_cls(args)
+            model = spec.model_cls(args)
         check_model_shapes(target.path, metadata, {n: t.shape for n, t in model.state_dict().items()}, complete_model=True)
 
     def _check_data_degree(self, target: CheckpointInfo) -> None:
@@ -142,40 +143,37 @@ class Checkpointer:
         layout = target.marker.get("layout")
         if state_reshards(self.config.data) or not layout:
             return
-        try:
-            dims = ParallelDims.from_config(self.config.parallelism, world_size_from_env())
-        except ConfigError:
-            return  # the trainer reports the impossible layout itself
         saved = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
-        if saved != dims.dp:
+        if saved != self.plan.dp:
             raise ConfigError(
                 f"{target.path} was saved with data-parallel degree {saved} (world size {target.marker.get('world_size')}), "
-                f"this run has {dims.dp} (world size {dims.world_size}); data.dataset = {self.config.data.dataset!r} keeps "
+                f"this run has {self.plan.dp} (world size {self.plan.world_size}); data.dataset = {self.config.data.dataset!r} keeps "
                 f"a read position per data-parallel rank, which cannot be resharded. Resume with dp_replicate x dp_shard "
                 f"= {saved}, or prepare the data with `meshloom prepare` (data.dataset = 'shards' resumes under any degree)"
             )
 
     # ----------------------------------------------------------------- binding and loading
 
-    def load(self, trainer: Any) -> None:
-        """Bind the trainer's state, then resume or apply the initial load (if configured)."""
-        self.trainer = trainer
-        # Pipeline stages appear as several model parts (trainer.model_parts) with one optimizer each.
-        self.model_parts: list[nn.Module] = list(getattr(trainer, "model_parts", None) or [trainer.model])
-        optimizers = list(getattr(trainer, "optimizers", None) or [trainer.optimizer] * len(self.model_parts))
-        self.model_state = ModelState(self.model_parts)
+    def bind(self, parts: TrainingParts) -> None:
+        """The state to save and load: model parts with their optimizers, LR schedule, progress and data position."""
+        self.parts = parts
+        self.model_state = ModelState(parts.model_parts)
         self.app_state: dict[str, Any] = {
             "model": self.model_state,
-            "optimizer": OptimizerState(self.model_parts, optimizers),
-            "train": TrainState(trainer),
-            "data": DataState.of_rank(trainer.data.train, getattr(trainer, "dp_rank", 0)),
+            "optimizer": OptimizerState(parts.model_parts, parts.optimizers),
+            "train": TrainState(parts.progress, parts.lr_scheduler),
+            "data": DataState.of_rank(parts.data_loader, parts.dp_rank),
         }
         self.rng_state = RngState(rank())
+
+    def load(self) -> None:
+        """Resume, or apply the initial load (if configured); `bind` first."""
+        assert self.parts is not None, "bind() the training parts first"
         if self.settings.resume:
             self._resume()
         elif isinstance(self.initial, HFFolder):
             start = time.perf_counter()
-            load_into_model_parts(self.model_parts, self.initial)
+            load_into_model_parts(self.parts.model_parts, self.initial)
             _say(f"loaded Hugging Face weights from {self.initial.path} in {time.perf_counter() - start:.2f} s")
         elif isinstance(self.initial, CheckpointInfo):
             self._load_checkpoint(self.initial, weights_only=True)
@@ -185,8 +183,7 @@ class Checkpointer:
         metadata = read_index(info.path)
         verify(info)
         expected = {name: t.shape for name, t in self.model_state.state_dict().items()}
-        complete_model = getattr(getattr(self.trainer, "dims", None), "pp", 1) == 1
-        check_model_shapes(info.path, metadata, expected, complete_model)
+        check_model_shapes(info.path, metadata, expected, complete_model=self.plan.dims.pp == 1)
         state: dict[str, Any] = {"model": self.model_state}
         if not weights_only:
             state.update(self.app_state)
@@ -221,7 +218,7 @@ class Checkpointer:
         if not folders.list_checkpoints(self.root)[0]:
             return None
         self._resume()
-        return self.trainer.step
+        return self.parts.progress.step
 
     # ----------------------------------------------------------------- saving
 
@@ -231,7 +228,7 @@ class Checkpointer:
             self.wait()
         if not self.settings.enable:
             return
-        step = self.trainer.step
+        step = self.parts.progress.step
         last = step >= self.config.training.steps
         if step % self.settings.interval == 0 or last:
             self.save(step, wait=last)
@@ -243,7 +240,7 @@ class Checkpointer:
         if rank() == 0:
             if path.exists():  # left by a crashed or superseded save of the same step
                 folders.remove(path)
-            write_side_files(path, self.config, self.config.model.name, self.trainer.model_args)
+            write_side_files(path, self.config, self.plan.spec, self.plan.model_args)
         if distributed():
             dist.barrier()
         state = {**self.app_state, "rng": self.rng_state}
@@ -292,7 +289,7 @@ class Checkpointer:
                 blocking: float | None) -> None:  # fmt: skip
         """Checksum the files, then rank 0 commits. DCP's coordinator (rank 0) returns from a save only after
         every rank reported its files written, and the checksum gather is one more rendezvous of all ranks."""
-        self._faults.during_save(step)
+        self._before_commit(step)
         checksums = compute_checksums(path, checkpoint_files(metadata), group)
         if rank() != 0:
             return
@@ -302,7 +299,7 @@ class Checkpointer:
             "step": step,
             "kind": "full",
             "world_size": _world_size(),
-            "layout": {name: getattr(self.trainer.dims, name) for name in LAYOUT_KEYS},
+            "layout": {name: getattr(self.plan.dims, name) for name in DEGREE_NAMES},
             "async": self.settings.async_mode == "async",
             "blocking_seconds": round(blocking, 6),
             "total_seconds": round(total, 6),

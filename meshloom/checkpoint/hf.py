@@ -1,7 +1,7 @@
 """Hugging Face model folders (config.json + safetensors, single file or sharded with an index), in and out.
 
-Only the `safetensors` package reads and writes weights, so nothing is ever unpickled. Tensor names,
-config fields and the q/k RoPE permutation come from the model family's `hf` module.
+Only the `safetensors` package reads and writes weights, so nothing is ever unpickled. Which family a folder
+holds, its config fields, tensor names and per-tensor transforms come from the family's `HFAdapter`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from meshloom.models.llama3 import Transformer, hf as llama_hf
-from meshloom.models.llama3.model import Llama3Args
+from meshloom.models.hf_adapter import HFAdapter
+from meshloom.models.registry import spec_for_hf_config
+from meshloom.models.spec import ModelSpec
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,7 +47,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 class HFFolder:
-    """A Hugging Face Llama folder, checked on opening: config, weight files and the index's shard list."""
+    """A Hugging Face model folder, checked on opening: config (and so the model family), weight files and the
+    index's shard list."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -59,7 +61,9 @@ class HFFolder:
             self.config: dict[str, Any] = json.loads(config_path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{config_path} is not valid JSON: {err}") from None
-        self.args: Llama3Args = llama_hf.args_from_hf_config(self.config, str(config_path))
+        self.spec: ModelSpec = spec_for_hf_config(self.config, str(config_path))
+        self.adapter: HFAdapter = self.spec.hf
+        self.args = self.adapter.args_from_config(self.config, str(config_path))
         self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, Path]:
@@ -85,41 +89,45 @@ class HFFolder:
     def expected_shapes(self) -> dict[str, torch.Size]:
         """meshloom name -> shape for every tensor the config implies (a tied output is the embedding)."""
         with torch.device("meta"):
-            model = Transformer(self.args)
+            model = self.spec.model_cls(self.args)
         return {name: t.shape for name, t in model.state_dict().items()}
 
     def check(self) -> None:
         """Every needed tensor present with the right shape; nothing unknown. Reads headers only."""
         shapes = self.expected_shapes()
-        needed = {llama_hf.hf_name(n): n for n in llama_hf.exported_names(list(shapes), self.args)}
-        for hf_name, ours in needed.items():
+        ours = self.adapter.exported_names(list(shapes), self.args)
+        needed = {hf_name: name for name in ours for hf_name in self.adapter.sources(name, self.args)}
+        for hf_name in needed:
             if hf_name not in self.weight_map:
                 raise ValueError(f"{self.path} lacks tensor {hf_name!r}, which its config.json implies")
-        optional = {"lm_head.weight"} if self.args.tie_embeddings else set()
+        optional = self.adapter.optional_hf_tensors(self.args)
         for hf_name in self.weight_map:
-            if hf_name not in needed and hf_name not in optional and not hf_name.endswith(llama_hf.IGNORED_HF_SUFFIXES):
-                raise ValueError(f"{self.path} holds tensor {hf_name!r}, which a Llama with this config.json does not have")
+            if hf_name not in needed and hf_name not in optional and not hf_name.endswith(self.adapter.ignored_suffixes):
+                raise ValueError(
+                    f"{self.path} holds tensor {hf_name!r}, which a {self.spec.name} model with this config.json does not have"
+                )
         with ExitStack() as stack:
             handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(self.weight_map.values())}
-            for hf_name, ours in needed.items():
-                shape = tuple(handles[self.weight_map[hf_name]].get_slice(hf_name).get_shape())
-                if shape != tuple(shapes[ours]):
-                    raise ValueError(
-                        f"tensor {hf_name!r} in {self.path} has shape {list(shape)}, but config.json implies {list(shapes[ours])}"
-                    )
+            for name in ours:
+                sources = self.adapter.sources(name, self.args)
+                found = [torch.empty(handles[self.weight_map[h]].get_slice(h).get_shape(), device="meta") for h in sources]
+                shape = tuple(self.adapter.from_hf(name, found, self.args).shape)
+                if shape != tuple(shapes[name]):
+                    what = f"tensor {sources[0]!r}" if len(sources) == 1 else f"tensors {sources[0]!r} .. {sources[-1]!r} (stacked)"
+                    raise ValueError(f"{what} in {self.path} has shape {list(shape)}, but config.json implies {list(shapes[name])}")
 
     def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(meshloom name, tensor) for the given meshloom names, read lazily file by file."""
         with ExitStack() as stack:
             handles: dict[Path, Any] = {}
             for name in names:
-                source = "tok_embeddings.weight" if name == "output.weight" and self.args.tie_embeddings else name
-                hf_name = llama_hf.hf_name(source)
-                file = self.weight_map[hf_name]
-                if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-                _, tensor = llama_hf.from_hf(hf_name, handles[file].get_tensor(hf_name), self.args)
-                yield name, tensor
+                tensors = []
+                for hf_name in self.adapter.sources(name, self.args):
+                    file = self.weight_map[hf_name]
+                    if file not in handles:
+                        handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                    tensors.append(handles[file].get_tensor(hf_name))
+                yield name, self.adapter.from_hf(name, tensors, self.args)
 
 
 def _layer_groups(names: list[str]) -> list[list[str]]:
@@ -142,12 +150,12 @@ def load_into_model_parts(model_parts: list[nn.Module], folder: HFFolder) -> Non
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def from_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
-    """A ready meshloom Llama (eval mode) from a Hugging Face folder: `model(tokens)` gives logits."""
+def from_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """A ready meshloom model (eval mode) from a Hugging Face folder: `model(tokens)` gives logits."""
     folder = HFFolder(path)
     folder.check()
     with torch.device("meta"):
-        model = Transformer(folder.args)
+        model = folder.spec.model_cls(folder.args)
     model.to_empty(device=device)
     model.init_weights()  # RoPE tables; every parameter is overwritten below
     state = dict(folder.tensors(list(model.state_dict())))
@@ -157,26 +165,31 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
 
 def write_hf_folder(
     state: dict[str, torch.Tensor],
-    args: Llama3Args,
+    spec: ModelSpec,
+    args: Any,
     out: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     base_config: dict[str, Any] | None = None,
 ) -> Path:
     """config.json plus model.safetensors, or model-0000i-of-0000n.safetensors shards and their index."""
+    if spec.hf is None:
+        raise ValueError(f"the {spec.name} model family has no Hugging Face format to export to")
+    adapter = spec.hf
+    adapter.check_exportable(state, args)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
-    for name in llama_hf.exported_names(list(state), args):
-        hf_name, tensor = llama_hf.to_hf(name, state[name], args)
-        tensor = tensor.to(dtype).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][hf_name] = tensor
-        sizes[-1] += nbytes
+    for name in adapter.exported_names(list(state), args):
+        for hf_name, tensor in adapter.to_hf(name, state[name], args):
+            tensor = tensor.to(dtype).contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                shards.append({})
+                sizes.append(0)
+            shards[-1][hf_name] = tensor
+            sizes[-1] += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], out / WEIGHTS_FILE, metadata=metadata)
@@ -188,5 +201,5 @@ def write_hf_folder(
             weight_map.update(dict.fromkeys(shard, file))
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    (out / CONFIG_FILE).write_text(json.dumps(llama_hf.hf_config(args, dtype, base_config), indent=2))
+    (out / CONFIG_FILE).write_text(json.dumps(adapter.config_from_args(args, dtype, base_config), indent=2))
     return out

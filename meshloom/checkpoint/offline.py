@@ -20,26 +20,27 @@ from meshloom.checkpoint.reading import load_state, read_index, verify
 from meshloom.checkpoint.state import ModelState
 from meshloom.config.loader import to_dict
 from meshloom.config.schema import Config
-from meshloom.models.llama3 import hf as llama_hf
+from meshloom.models.registry import get_model_spec
+from meshloom.models.spec import ModelSpec
 
 
-def write_side_files(path: Path, config: Config | None, model_name: str, args: Any, extra: dict[str, Any] | None = None) -> None:
+def write_side_files(path: Path, config: Config | None, spec: ModelSpec, args: Any, extra: dict[str, Any] | None = None) -> None:
     """The run config and the model shape next to the DCP files, so tools can rebuild the model without the recipe."""
     path.mkdir(parents=True, exist_ok=True)
     if config is not None:
         (path / folders.CONFIG_FILE).write_text(json.dumps(to_dict(config), indent=1))
-    model_info = {"model": model_name, "args": llama_hf.args_to_dict(args), **(extra or {})}
+    model_info = {"model": spec.name, "args": spec.args_to_dict(args), **(extra or {})}
     (path / folders.MODEL_ARGS_FILE).write_text(json.dumps(model_info, indent=1))
 
 
 def save_weights(
-    model: nn.Module, path: Path, model_name: str, args: Any, config: Config | None = None, extra: dict[str, Any] | None = None
+    model: nn.Module, path: Path, spec: ModelSpec, args: Any, config: Config | None = None, extra: dict[str, Any] | None = None
 ) -> Path:
     """A committed weights-only checkpoint (step 0) of a model held whole by this process."""
     path = Path(path)
     if path.exists():
         folders.remove(path)
-    write_side_files(path, config, model_name, args, extra)
+    write_side_files(path, config, spec, args, extra)
     start = time.perf_counter()
     metadata = dcp.save({"model": ModelState([model])}, storage_writer=FileSystemWriter(path), no_dist=True)
     checksums = compute_checksums(path, checkpoint_files(metadata))
@@ -48,15 +49,17 @@ def save_weights(
     return path
 
 
-def read_model_args(info: CheckpointInfo) -> tuple[str, Any, dict[str, Any]]:
-    """(model name, args, everything else in model_args.json) saved with a checkpoint."""
+def read_model_args(info: CheckpointInfo) -> tuple[ModelSpec, Any, dict[str, Any]]:
+    """(model family, args, everything else in model_args.json) saved with a checkpoint."""
     file = info.path / folders.MODEL_ARGS_FILE
     if not file.is_file():
         raise ValueError(f"checkpoint {info.path} has no {folders.MODEL_ARGS_FILE}, so its model shape is unknown")
-    data = json.loads(file.read_text())
-    if data.get("model") != "llama3":
-        raise ValueError(f"checkpoint {info.path} holds a {data.get('model')!r} model; only llama3 can be converted")
-    return data["model"], llama_hf.args_from_dict(data["args"]), data
+    try:
+        data = json.loads(file.read_text())
+        spec = get_model_spec(data["model"])
+        return spec, spec.args_from_dict(data["args"]), data
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{file} is unreadable ({err!r}); the checkpoint's model shape is unknown") from None
 
 
 def read_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -67,33 +68,44 @@ class OptimizerState(Stateful):
             set_optimizer_state_dict(part, optimizer, {k: state_dict[k] for k in own}, options=_OPTIMIZER_OPTIONS)
 
 
-class TrainState(Stateful):
-    """Step, tokens seen and LR schedule of a trainer (global, equal on every rank)."""
+class TrainProgress:
+    """How far training has come: the step, and the tokens seen (global, equal on every rank).
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
-        # Tokens per step may change on resume (another batch size), so the count is carried, not derived.
-        self.tokens_at_load = 0
-        self.step_at_load = 0
+    Tokens per step may change on resume (another batch size), so the count is carried, not derived from the step.
+    """
+
+    def __init__(self, tokens_per_step: int, step: int = 0):
+        self.step = step
+        self.tokens_per_step = tokens_per_step
+        self._tokens_at_load = 0
+        self._step_at_load = step
 
     @property
     def tokens_seen(self) -> int:
-        t = self.trainer
-        return self.tokens_at_load + (t.step - self.step_at_load) * t.tokens_per_step
+        return self._tokens_at_load + (self.step - self._step_at_load) * self.tokens_per_step
+
+    def restore(self, step: int, tokens_seen: int) -> None:
+        self.step = self._step_at_load = step
+        self._tokens_at_load = tokens_seen
+
+
+class TrainState(Stateful):
+    """The progress and the learning-rate schedule, saved together under "train"."""
+
+    def __init__(self, progress: TrainProgress, lr_scheduler: Any):
+        self.progress = progress
+        self.lr_scheduler = lr_scheduler
 
     def state_dict(self) -> dict[str, Any]:
-        t = self.trainer
         return {
-            "step": t.step,
-            "tokens_seen": self.tokens_seen,
-            "lr_scheduler": t.lr_scheduler.state_dict(),
+            "step": self.progress.step,
+            "tokens_seen": self.progress.tokens_seen,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        t = self.trainer
-        t.step = self.step_at_load = int(state_dict["step"])
-        self.tokens_at_load = int(state_dict["tokens_seen"])
-        t.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        self.progress.restore(int(state_dict["step"]), int(state_dict["tokens_seen"]))
+        self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
 
 
 class DataState(Stateful):
@@ -161,3 +173,19 @@ class RngState(Stateful):
         np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class TrainingParts:
+    """Everything a full checkpoint holds, handed to the checkpointer by whoever built it.
+
+    model_parts: the model, or this rank's pipeline stages (parameter names as in the whole model);
+    optimizers: one per model part (the same optimizer may be listed for a single part).
+    """
+
+    model_parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    lr_scheduler: Any
+    progress: TrainProgress
+    data_loader: Any
+    dp_rank: int = 0

@@ -389,8 +389,9 @@ class FaultInjectionConfig:
     """A step whose batch holds this dataset sample id gets a NaN gradient in nan_parameter, in every attempt:
     a bad batch (-1 = never)."""
 
-    nan_parameter: str = "layers.0.feed_forward.w2.weight"
-    """The parameter whose gradient nan_sample_id turns into NaN."""
+    nan_parameter: str = ""
+    """The parameter whose gradient nan_sample_id turns into NaN, by its name in model.named_parameters() (e.g.
+    "layers.0.attention.wo.weight" in llama3); empty = the model's first parameter with a gradient."""
 
 
 @dataclass

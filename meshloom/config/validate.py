@@ -63,6 +63,9 @@ def validate(config: Config) -> None:
         "set --checkpoint.enable true (with a checkpoint.interval) or choose halt / skip_step",
     )
     _require(f.sleep_seconds >= 0 and f.slow_seconds >= 0, "fault_injection.sleep_seconds and slow_seconds must be >= 0")
+    ck = config.checkpoint
+    _require(ck.interval > 0, f"checkpoint.interval must be positive, got {ck.interval}")
+    _require(ck.keep_last_k >= 0, f"checkpoint.keep_last_k must be >= 0 (0 keeps all), got {ck.keep_last_k}")
     if par.cp > 1:
         _check_context_parallel(config)
 

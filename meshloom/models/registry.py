@@ -1,30 +1,14 @@
-"""Model registry: maps `model.name` / `model.flavor` settings to code and shapes."""
+"""Model registry: maps `model.name` / `model.flavor` settings to a family's `ModelSpec` and shapes."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import Any
 
-from torch import nn
-
-from .llama3 import LLAMA3_FLAVORS, Llama3Args, Transformer
-from .llama3.parallelize import parallelize_llama3
-
-
-@dataclass
-class ModelSpec:
-    """Everything the trainer needs to build and parallelise one model family."""
-
-    name: str
-    model_cls: type[nn.Module]
-    args_cls: type
-    flavors: dict[str, Any]
-    # Applies parallelism to a built model; set once the family supports it.
-    parallelize_fn: Callable[..., Any] | None = None
-
+from meshloom.models.spec import ModelSpec
 
 MODEL_REGISTRY: dict[str, ModelSpec] = {}
 
@@ -65,12 +49,25 @@ def configured_model_args(model: Any) -> Any:
     return dataclasses.replace(args, n_layers=model.n_layers) if model.n_layers else args
 
 
-register_model(
-    ModelSpec(
-        name="llama3",
-        model_cls=Transformer,
-        args_cls=Llama3Args,
-        flavors=LLAMA3_FLAVORS,
-        parallelize_fn=parallelize_llama3,
+def spec_for_hf_config(config: Mapping[str, Any], where: str) -> ModelSpec:
+    """The family that reads a Hugging Face config.json."""
+    for spec in MODEL_REGISTRY.values():
+        if spec.hf is not None and spec.hf.claims(config):
+            return spec
+    known = sorted(a for spec in MODEL_REGISTRY.values() if spec.hf is not None for a in spec.hf.architectures)
+    from meshloom.models.hf_adapter import HFConfigError
+
+    raise HFConfigError(
+        f"{where}: unsupported architecture {config.get('architectures')} (model_type={config.get('model_type')!r}); "
+        f"meshloom imports {', '.join(known)}"
     )
-)
+
+
+def _register_builtin_families() -> None:
+    from meshloom.models import llama3
+
+    for spec in (llama3.SPEC,):
+        register_model(spec)
+
+
+_register_builtin_families()

@@ -16,6 +16,19 @@ from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ParallelismConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Every degree a run sets, as `parallelism.<name>`; ep borrows its ranks from dp_shard x cp.
+DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+
+
+def check_divisible(degree_name: str, degree: int, sizes: dict[str, int]) -> None:
+    """Raise ConfigError unless `degree` divides every model size, naming the first that it does not."""
+    for name, size in sizes.items():
+        if size % degree:
+            divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            raise ConfigError(
+                f"parallelism.{degree_name}={degree} does not divide the model's {name}={size}; "
+                f"choose {degree_name} from {divisors[-6:]}"
+            )
 
 
 @dataclass
@@ -52,26 +65,6 @@ class ParallelDims:
                 f"pp={config.pp} x cp={config.cp} = {product}, but the world size is {world_size}; {hint}"
             )
         return cls(config.dp_replicate, dp_shard, config.tp, config.pp, config.cp, config.ep, world_size)
-
-    def check_model(self, n_heads: int, n_kv_heads: int, vocab_size: int, ffn_hidden_dim: int, n_layers: int) -> None:
-        """Shapes that every tensor-parallel rank must be able to split evenly."""
-        checks = [
-            (n_heads, "n_heads"),
-            (n_kv_heads, "n_kv_heads"),
-            (vocab_size, "vocab_size"),
-            (ffn_hidden_dim, "ffn_hidden_dim"),
-        ]
-        for size, name in checks:
-            if size % self.tp:
-                divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
-                raise ConfigError(
-                    f"parallelism.tp={self.tp} does not divide the model's {name}={size}; "
-                    f"choose tp from {divisors[-6:]}"
-                )
-        if self.ep > 1:
-            raise ConfigError("parallelism.ep > 1 needs a mixture-of-experts model; this model is dense, set ep = 1")
-        if self.pp > n_layers:
-            raise ConfigError(f"parallelism.pp={self.pp} exceeds the model's {n_layers} layers; lower pp")
 
     @property
     def dp(self) -> int:

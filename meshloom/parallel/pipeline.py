@@ -1,6 +1,7 @@
-"""Pipeline parallelism on torch.distributed.pipelining: plan the stages, carve them out of a model, build the schedule.
+"""Pipeline parallelism on torch.distributed.pipelining: plan the stages and build the schedule.
 
-The plan is plain arithmetic on the config and the layer count, so every mistake (a split that cannot be
+The plan is plain arithmetic on the config and the layer count (how a stage is cut out of a model is the model
+family's `carve_stage`), so every mistake (a split that cannot be
 made, too few microbatches, a split point naming no layer, a V schedule without two stages per rank) is a
 ConfigError before any model, mesh or process group work starts. Execution (microbatching, send/recv,
 the schedules themselves) is entirely torch's.
@@ -11,7 +12,7 @@ stages r and 2·pp - 1 - r on rank r, so the first and the last stage share rank
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -177,18 +178,11 @@ def _fsdp_reshard(traits: ScheduleTraits, schedule: str, dims: ParallelDims, set
     return "never"
 
 
-def plan_pipeline(config: Config, dims: ParallelDims, model_args) -> PipelinePlan:
-    """Check the pipeline settings against the model, batch and data-parallel layout; return the stage plan.
-
-    model_args needs `n_layers` and `tie_embeddings`.
-    """
+def plan_pipeline(config: Config, dims: ParallelDims, n_layers: int) -> PipelinePlan:
+    """Check the pipeline settings against the model's layer count, the batch and the data-parallel layout; return
+    the stage plan. (What the model family needs of its stages, e.g. no tied embedding, is its own layout check.)"""
     pipe = config.pipeline
     traits = SCHEDULES[pipe.schedule]
-    if model_args.tie_embeddings:
-        raise ConfigError(
-            "this model ties its output projection to the embedding, but pipeline parallelism puts them on different "
-            "stages; use an untied model flavour or set parallelism.pp = 1"
-        )
     stages_per_rank = pipe.stages_per_rank or traits.default_stages_per_rank
     required = traits.required_stages_per_rank
     if required is not None and stages_per_rank != required:
@@ -196,26 +190,12 @@ def plan_pipeline(config: Config, dims: ParallelDims, model_args) -> PipelinePla
         looped = [name for name, t in SCHEDULES.items() if t.multi_stage and not t.v_shaped]
         hint = "set pipeline.stages_per_rank = 2 (or 0)" if traits.v_shaped else f"set it to 1 (or 0), or pick one of {looped}"
         raise ConfigError(f"pipeline.schedule={pipe.schedule} needs {shape}, got pipeline.stages_per_rank={stages_per_rank}; {hint}")
-    stage_layers = _stage_layers(pipe, model_args.n_layers, dims.pp, stages_per_rank)
+    stage_layers = _stage_layers(pipe, n_layers, dims.pp, stages_per_rank)
     local_batch_size = config.training.local_batch_size
     microbatches = pipe.microbatches or local_batch_size
     _check_microbatches(traits, pipe.schedule, microbatches, local_batch_size, dims.pp, len(stage_layers))
     reshard = _fsdp_reshard(traits, pipe.schedule, dims, config.parallelism.fsdp_reshard_after_forward)
     return PipelinePlan(pipe.schedule, dims.pp, stages_per_rank, microbatches, tuple(stage_layers), reshard)
-
-
-def carve_stage(model: nn.Module, layers: Sequence[int], first: bool, last: bool) -> nn.Module:
-    """Keep only one stage's part of a (meta-device) model: its blocks, plus the embedding on the first stage and the
-    final norm and output projection on the last. Block names keep their global index."""
-    keep = {str(i) for i in layers}
-    for name in [name for name in model.layers if name not in keep]:
-        del model.layers[name]
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
-    return model
 
 
 class EvalSafeStage(PipelineStage):

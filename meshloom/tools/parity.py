@@ -24,9 +24,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshloom.parallel.dims import MESH_DIMS
+
 FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 2e-2
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 TRAINING_KEYS = ("mixed_precision",)
 
 
@@ -67,7 +68,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return math.prod(int(self.settings.get(name, 1)) for name in DEGREES)
+        return math.prod(int(self.settings.get(name, 1)) for name in MESH_DIMS)
 
     @property
     def dp(self) -> int:
@@ -126,6 +127,18 @@ def torchrun(module: str, world_size: int, args: list[str]) -> None:
         raise RuntimeError(f"launch of {module} on {world_size} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
+def check_cases(cases: dict[str, list[str]], world_size: int) -> None:
+    """Plan every case before any rank starts, so a layout the model or batch cannot take fails here, by name."""
+    from meshloom.config.loader import load_config
+    from meshloom.planning.run_plan import RunPlan
+
+    for spec, argv in cases.items():
+        try:
+            RunPlan.build(load_config(argv), world_size)
+        except ValueError as err:
+            raise ValueError(f"layout {spec!r}: {err}") from None
+
+
 def launch(layouts: list[Layout], steps: int, workdir: Path, common: list[str] | None = None) -> dict[str, Curve]:
     """One torchrun per world size; every layout of that size runs in turn inside it."""
     by_world: dict[int, list[Layout]] = defaultdict(list)
@@ -140,6 +153,7 @@ def launch(layouts: list[Layout], steps: int, workdir: Path, common: list[str] |
             + ["--job.dump_folder", str(workdir / f"run_{i}_{world_size}")]
             for i, layout in enumerate(group)
         }
+        check_cases(cases, world_size)
         cases_file = workdir / f"cases_{world_size}.json"
         out_file = workdir / f"curves_{world_size}.json"
         cases_file.write_text(json.dumps(cases))

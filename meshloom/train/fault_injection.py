@@ -72,13 +72,14 @@ class FaultInjector:
         """Gradients are ready: a batch holding nan_sample_id poisons nan_parameter's gradient with NaN."""
         if self.config.nan_sample_id < 0 or self.config.nan_sample_id not in sample_ids:
             return
+        wanted = self.config.nan_parameter
         for name, param in model.named_parameters():
-            if plain_name(name) == self.config.nan_parameter and param.grad is not None:
+            if param.grad is not None and (not wanted or plain_name(name) == wanted):
                 param.grad.fill_(float("nan"))
                 return
         if isinstance(model, nn.ModuleList):
             return  # a pipeline rank without that parameter: the stage that holds it poisons it
         raise ValueError(
             f"fault_injection.nan_parameter {self.config.nan_parameter!r} is not a parameter with a gradient on rank "
-            f"{rank()}; name one from model.named_parameters(), e.g. 'layers.0.feed_forward.w2.weight'"
+            f"{rank()}; name one from model.named_parameters(), or leave it empty for the first parameter with a gradient"
         )

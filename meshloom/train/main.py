@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         if "--dry-run" in argv:
-            from meshloom.tools.dry_run import main as dry_run_main  # one process, fake process group
+            from meshloom.planning.dry_run import main as dry_run_main  # one process, fake process group
 
             return dry_run_main(argv)
         config = load_config(argv)

@@ -9,9 +9,8 @@ from torch import nn
 from torch.distributed.tensor import _random as dtensor_random
 
 from meshloom.config.schema import Config
-from meshloom.models.registry import ModelSpec
 from meshloom.parallel.dims import ParallelDims
-from meshloom.parallel.pipeline import PipelinePlan, carve_stage
+from meshloom.planning.run_plan import RunPlan
 
 # Below this size every rank can afford the whole fp32 model once, which makes weights layout-independent.
 FULL_INIT_MAX_PARAMS = 2_000_000_000
@@ -30,38 +29,35 @@ def _init_mode(model: nn.Module, config: Config) -> str:
     return mode
 
 
-def build_model(spec: ModelSpec, args, dims: ParallelDims | None, config: Config, device: torch.device) -> nn.Module:
+def build_model(plan: RunPlan, device: torch.device, parallelize: bool = True) -> nn.Module:
+    """The model with real weights on `device`, parallelized as the plan says (parallelize=False: bare, whole)."""
+    spec, dims, config = plan.spec, plan.dims, plan.config
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.model_cls(plan.model_args)
     seed = config.training.seed
-    if dims is None or not dims.is_distributed:
+    if not parallelize or not dims.is_distributed:
         model.to_empty(device=device)
         _init(model, seed)
         # One process: the parallelize function skips TP and FSDP but still applies Float8, AC and compile.
-        return model if dims is None or spec.parallelize_fn is None else spec.parallelize_fn(model, dims, config)
-
-    mode = _init_mode(model, config)
-    assert spec.parallelize_fn is not None, f"{spec.name} has no parallelize function"
-    if mode == "full":
+        return spec.parallelize(model, dims, config) if parallelize else model
+    if _init_mode(model, config) == "full":
         # Same RNG stream as one process; parallelize then keeps only each rank's shard of it.
         model.to_empty(device=device)
         _init(model, seed)
-        return spec.parallelize_fn(model, dims, config)
-    model = spec.parallelize_fn(model, dims, config)
+        return spec.parallelize(model, dims, config)
+    model = spec.parallelize(model, dims, config)
     model.to_empty(device=device)
     _init(model, seed)
     return model
 
 
-def model_num_params(spec: ModelSpec, args, exclude_embedding: bool = False) -> int:
+def model_num_params(plan: RunPlan) -> int:
     """Parameter count of the whole model, whatever part of it this rank holds (built on meta: no memory)."""
     with torch.device("meta"):
-        return spec.model_cls(args).num_params(exclude_embedding=exclude_embedding)
+        return plan.spec.model_cls(plan.model_args).num_params()
 
 
-def build_pipeline_stages(
-    spec: ModelSpec, args, dims: ParallelDims, config: Config, device: torch.device, plan: PipelinePlan, stage_ids: list[int]
-) -> list[nn.Module]:
+def build_pipeline_stages(plan: RunPlan, device: torch.device, stage_ids: list[int]) -> list[nn.Module]:
     """This rank's pipeline stages: each built on meta with only its own layers, then parallelized like a whole model.
 
     init "full" (below FULL_INIT_MAX_PARAMS): the whole model is initialised once from training.seed, exactly as one
@@ -70,9 +66,10 @@ def build_pipeline_stages(
     so that stages differ from each other while the ranks of one stage agree; the weights then differ from one
     process's, which is the price of never holding the whole model.
     """
-    assert spec.parallelize_fn is not None, f"{spec.name} has no parallelize function"
-    reshard = plan.fsdp_reshard_after_forward
-    config = dataclasses.replace(config, parallelism=dataclasses.replace(config.parallelism, fsdp_reshard_after_forward=reshard))
+    spec, args, dims, pipeline = plan.spec, plan.model_args, plan.dims, plan.pipeline
+    assert pipeline is not None, "a pipeline plan is needed"
+    reshard = pipeline.fsdp_reshard_after_forward
+    config = dataclasses.replace(plan.config, parallelism=dataclasses.replace(plan.config.parallelism, fsdp_reshard_after_forward=reshard))
     with torch.device("meta"):
         whole = spec.model_cls(args)
     full_init = _init_mode(whole, config) == "full"
@@ -85,13 +82,13 @@ def build_pipeline_stages(
     for stage in stage_ids:
         with torch.device("meta"):
             module = spec.model_cls(args)
-        carve_stage(module, plan.stage_layers[stage], first=stage == 0, last=stage == plan.num_stages - 1)
+        spec.carve_stage(module, pipeline.stage_layers[stage], stage == 0, stage == pipeline.num_stages - 1)
         if full_init:
             module.to_empty(device=device)
             _copy_part(whole, module)
-            stages.append(spec.parallelize_fn(module, dims, config))
+            stages.append(spec.parallelize(module, dims, config))
         else:
-            module = spec.parallelize_fn(module, dims, config)
+            module = spec.parallelize(module, dims, config)
             module.to_empty(device=device)
             _init(module, config.training.seed + stage)
             stages.append(module)

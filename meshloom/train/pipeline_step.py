@@ -10,12 +10,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshloom.config.schema import Config
-from meshloom.models.registry import ModelSpec
 from meshloom.parallel.compile import build_loss_fn
-from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.pipeline import PipelinePlan, build_schedule
 from meshloom.parallel.tensor import local_value
+from meshloom.planning.run_plan import RunPlan
 from meshloom.train.loss import cross_entropy_loss
 from meshloom.train.model_setup import build_pipeline_stages
 
@@ -83,17 +81,13 @@ class PipelineRunner:
 
 
 def build_pipeline(
-    spec: ModelSpec,
-    args,
-    dims: ParallelDims,
-    config: Config,
-    device: torch.device,
-    plan: PipelinePlan,
-    compute_context: Callable[[], contextlib.AbstractContextManager],
+    plan: RunPlan, device: torch.device, compute_context: Callable[[], contextlib.AbstractContextManager]
 ) -> PipelineRunner:
     """Build this pipeline rank's stages and the schedule that runs them."""
-    pp_mesh = dims.mesh("pp")
-    stage_ids = plan.stages_of(pp_mesh.get_local_rank())
-    stages = build_pipeline_stages(spec, args, dims, config, device, plan, stage_ids)
-    loss_fn = build_loss_fn(config.compile, cross_entropy_loss, loss_parallel=dims.tp > 1 and config.parallelism.loss_parallel)
-    return PipelineRunner(plan, stages, stage_ids, pp_mesh, device, compute_context, loss_fn)
+    assert plan.pipeline is not None, "a pipeline plan is needed"
+    pp_mesh = plan.dims.mesh("pp")
+    stage_ids = plan.pipeline.stages_of(pp_mesh.get_local_rank())
+    stages = build_pipeline_stages(plan, device, stage_ids)
+    loss_parallel = plan.dims.tp > 1 and plan.config.parallelism.loss_parallel
+    loss_fn = build_loss_fn(plan.config.compile, cross_entropy_loss, loss_parallel=loss_parallel)
+    return PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, compute_context, loss_fn)

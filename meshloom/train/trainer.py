@@ -12,32 +12,31 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from meshloom.checkpoint.dcp import Checkpointer, checkpoint_root
-from meshloom.config.loader import ConfigError, to_dict
+from meshloom.checkpoint.state import TrainingParts, TrainProgress
+from meshloom.config.errors import ConfigError
+from meshloom.config.loader import to_dict
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
-from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.observe import flight_recorder
 from meshloom.observe.logging import MetricLogger
-from meshloom.observe.stragglers import RankStepTimes
-from meshloom.parallel.context import batch_sharder
-from meshloom.parallel.dims import ParallelDims
-from meshloom.parallel.distributed import init_distributed, rank, set_collective_timeout, share_error, world_size_from_env
-from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
-from meshloom.parallel.pipeline import plan_pipeline
-from meshloom.parallel.tensor import local_value, loss_parallel_context
-from meshloom.observe.metrics import Throughput, flops_per_token, peak_flops_per_second, peak_memory_bytes
+from meshloom.observe.metrics import Throughput, peak_flops_per_second, peak_memory_bytes
 from meshloom.observe.profiler import StepProfiler
+from meshloom.observe.stragglers import RankStepTimes
 from meshloom.parallel.compile import build_loss_fn
+from meshloom.parallel.context import batch_sharder
+from meshloom.parallel.distributed import init_distributed, rank, set_collective_timeout, share_error, world_size_from_env
 from meshloom.parallel.float8 import sync_float8_scales
-from meshloom.train.loss import cross_entropy_loss
-from meshloom.train.lr import build_lr_scheduler
-from meshloom.train.model_setup import build_model, model_num_params
-from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
+from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
+from meshloom.parallel.tensor import local_value, loss_parallel_context
+from meshloom.planning.run_plan import RunPlan
 from meshloom.train.fault import resume_after_restart
 from meshloom.train.fault_injection import FaultInjector
+from meshloom.train.loss import cross_entropy_loss
+from meshloom.train.lr import build_lr_scheduler
+from meshloom.train.model_setup import build_model
 from meshloom.train.nonfinite import NonFinitePolicy, is_finite
 from meshloom.train.optim import OptimizerGroup, build_optimizer
-from meshloom.train.option_checks import check_compute_options
+from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
 from meshloom.train.runtime import seed_everything, select_device
 
 
@@ -53,99 +52,57 @@ class StepResult:
 
 class Trainer:
     def __init__(self, config: Config):
-        self.config = config
-        tc = config.training
-        self.run_dir = Path(config.job.dump_folder)
-
         # Cheap checks first: nothing heavy is built until the whole setup is known to be valid.
-        spec = get_model_spec(config.model.name)
-        self.model_args = configured_model_args(config.model)
-        if tc.seq_len > self.model_args.max_seq_len:
-            raise ConfigError(
-                f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len="
-                f"{self.model_args.max_seq_len}; lower training.seq_len"
-            )
+        self.config, self.run_dir = config, Path(config.job.dump_folder)
+        self.device = select_device(config.training.device)
+        self.plan = RunPlan.build(config, world_size_from_env(), self.device)
+        self.model_args, self.dims, self.grad_accum_steps = self.plan.model_args, self.plan.dims, self.plan.grad_accum_steps
         check_data_config(config.data)
         resume_after_restart(config, checkpoint_root(config, self.run_dir))
-        self.checkpointer = Checkpointer(config, self.run_dir)
-        self.device = select_device(tc.device)
-        if config.comm.flight_recorder and world_size_from_env() > 1:
+        self.faults = FaultInjector(config.fault_injection)
+        self.checkpointer = Checkpointer(self.plan, self.run_dir, before_commit=self.faults.during_save)
+        self.progress = TrainProgress(self.plan.tokens_per_step)
+        self._join_process_group()
+        seed_everything(config.training.seed, config.training.deterministic)
+        self.data = self._build_data()
+        self._build_model()
+        self.optimizers = [build_optimizer(part, config.optimizer, self.device) for part in self.model_parts]
+        # One optimizer per pipeline stage, so a checkpoint pairs each stage with its own optimizer state.
+        self.optimizer = self.optimizers[0] if self.pipeline is None else OptimizerGroup(self.optimizers)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
+        self.nonfinite = NonFinitePolicy(config.training, self.run_dir, self.model, self.checkpointer)
+        self.checkpointer.bind(TrainingParts(
+            self.model_parts, self.optimizers, self.lr_scheduler, self.progress, self.data.train, self.dp_rank
+        ))  # fmt: skip
+        self.checkpointer.load()  # resume, or an initial load of weights
+        self._build_observers()
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.plan.tokens_per_step
+
+    def _join_process_group(self) -> None:
+        """Flight recorder, the process group and the device mesh; this rank's place in the data-parallel group."""
+        if self.config.comm.flight_recorder and self.plan.world_size > 1:
             flight_recorder.install(self.run_dir, lambda: {"steps_completed": self.step})
-        self.step = 0
-        self.world_size = init_distributed(self.device, config.comm.init_timeout_seconds)
-        self.dims = ParallelDims.from_config(config.parallelism, self.world_size)
-        a = self.model_args
-        self.dims.check_model(a.n_heads, a.kv_heads, a.vocab_size, a.ffn_hidden_dim, a.n_layers)
-        check_compute_options(config, spec, a, self.device, self.dims.tp)
-        pipeline_plan = None
-        if self.dims.pp > 1:
-            pipeline_plan = plan_pipeline(config, self.dims, a)
+        self.world_size = init_distributed(self.device, self.config.comm.init_timeout_seconds)
+        assert self.world_size == self.plan.world_size, "the launcher's world size changed under the plan"
+        self.dp_rank = 0
         if self.dims.is_distributed:
             self.dims.build_mesh(self.device.type)
-            dp_mesh = self.dims.mesh("dp")
-            self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-        else:
-            self.dp_rank, self.dp_size = 0, 1
+            self.dp_rank = self.dims.mesh("dp").get_local_rank()
         # Context parallel: every rank of a cp group reads the same samples and keeps its shard of each sequence.
-        self.shard_batch = batch_sharder(self.dims, config.parallelism.cp_load_balance)
-        self.grad_accum_steps = self._grad_accum_steps()
-
-        seed_everything(tc.seed, tc.deterministic)
-        self.data = self._build_data()
-        if self.data.tokenizer.vocab_size > a.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but the {config.model.flavor} model's "
-                f"vocab_size is {a.vocab_size}; lower data.vocab_size or pick a larger model.flavor"
-            )
-        self.pipeline: PipelineRunner | None = None
-        if pipeline_plan is not None:
-            self.pipeline = build_pipeline(spec, a, self.dims, config, self.device, pipeline_plan, self._compute_context)
-            self.model = self.pipeline.model
-        else:
-            self.model = build_model(spec, a, self.dims, config, self.device)
-        self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
-        self.loss_parallel = self.dims.tp > 1 and config.parallelism.loss_parallel
-        self.loss_fn = build_loss_fn(config.compile, cross_entropy_loss, self.loss_parallel)
-
-        if self.pipeline is not None:
-            # One optimizer per stage: checkpoints pair each stage (model part) with its optimizer state.
-            self.model_parts = list(self.model)
-            self.optimizers = [build_optimizer(part, config.optimizer, self.device) for part in self.model_parts]
-            self.optimizer = OptimizerGroup(self.optimizers)
-        else:
-            self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, tc.steps)
-        self.faults = FaultInjector(config.fault_injection)
-        self.nonfinite = NonFinitePolicy(tc, self.run_dir, self.model, self.checkpointer)
-        self.step_times = RankStepTimes(self.device)
-
-        self.tokens_per_step = tc.seq_len * tc.local_batch_size * self.grad_accum_steps * self.dp_size
-        self.checkpointer.load(self)  # resume, or an initial load of weights
-        self.throughput = Throughput(
-            flops_per_token(
-                model_num_params(spec, a, exclude_embedding=True),
-                self.model_args.n_layers,
-                self.model_args.n_heads,
-                self.model_args.head_dim,
-                tc.seq_len,
-            ),
-            peak_flops_per_second(self.device, self._compute_dtype(), config.metrics.peak_tflops or None),
-            num_devices=self.world_size,
-        )
-        self.rank = rank()
-        self.profiler = StepProfiler(config.profiling, self.run_dir, self.rank, self.device)
-        self.logger = MetricLogger(
-            self.run_dir, tc.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar, self.rank, self.step
-        )
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=1))
+        self.shard_batch = batch_sharder(self.dims, self.config.parallelism.cp_load_balance)
 
     def _build_data(self) -> DataBundle:
         """Rank 0 fills the tokenizer and token caches first, so the other ranks only read them."""
         tc = self.config.training
         build = lambda: build_data(
-            self.config.data, tc.seq_len, tc.local_batch_size, self.dp_rank, self.dp_size, tc.seed, self.config.validation.enable
+            self.config.data, tc.seq_len, tc.local_batch_size, self.dp_rank, self.plan.dp, tc.seed, self.config.validation.enable
         )
         if rank() == 0:
             try:
@@ -154,21 +111,46 @@ class Trainer:
                 share_error(str(err))  # the other ranks raise it too instead of waiting forever
                 raise
             share_error(None)
-            return data
-        if (message := share_error(None)) is not None:
+        elif (message := share_error(None)) is not None:
             raise ConfigError(message)
-        return build()
-
-    def _grad_accum_steps(self) -> int:
-        tc = self.config.training
-        per_microbatch = tc.local_batch_size * self.dp_size
-        global_batch = per_microbatch if tc.global_batch_size == -1 else tc.global_batch_size
-        if global_batch % per_microbatch:
+        else:
+            data = build()
+        if data.tokenizer.vocab_size > self.model_args.vocab_size:
             raise ConfigError(
-                f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x data-parallel "
-                f"degree = {tc.local_batch_size} x {self.dp_size}; change one of them"
+                f"the tokenizer has {data.tokenizer.vocab_size} tokens but the {self.config.model.flavor} model's "
+                f"vocab_size is {self.model_args.vocab_size}; lower data.vocab_size or pick a larger model.flavor"
             )
-        return global_batch // per_microbatch
+        return data
+
+    def _build_model(self) -> None:
+        """The model (or this rank's pipeline stages) with real weights, parallelized, and its loss."""
+        self.pipeline: PipelineRunner | None = None
+        if self.plan.pipeline is not None:
+            self.pipeline = build_pipeline(self.plan, self.device, self._compute_context)
+            self.model = self.pipeline.model
+            self.model_parts = list(self.model)
+        else:
+            self.model = build_model(self.plan, self.device)
+            self.model_parts = [self.model]
+        self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
+        self.loss_parallel = self.dims.tp > 1 and self.config.parallelism.loss_parallel
+        self.loss_fn = build_loss_fn(self.config.compile, cross_entropy_loss, self.loss_parallel)
+
+    def _build_observers(self) -> None:
+        """Throughput and MFU, step-time spread, profiler and metric logging; rank 0 writes the run's config."""
+        config = self.config
+        self.step_times = RankStepTimes(self.device)
+        peak = peak_flops_per_second(self.device, self._compute_dtype(), config.metrics.peak_tflops or None)
+        self.throughput = Throughput(self.plan.shape().flops_per_token(config.training.seq_len), peak, num_devices=self.world_size)
+        self.rank = rank()
+        self.profiler = StepProfiler(config.profiling, self.run_dir, self.rank, self.device)
+        self.logger = MetricLogger(
+            self.run_dir, config.training.steps, config.metrics.tensorboard, config.metrics.wandb, config.metrics.progress_bar,
+            self.rank, self.step,
+        )  # fmt: skip
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=1))
 
     def _compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.config.training.mixed_precision == "bf16" else torch.float32
@@ -223,7 +205,7 @@ class Trainer:
         grad_norm = float(grad_norm_tensor)
         loss_value = float(total_loss)
         lr = self.lr_scheduler.get_last_lr()[0]
-        self.step += 1
+        self.progress.step += 1
 
         skipped, failed_step = False, None
         if not is_finite(loss_value, grad_norm):

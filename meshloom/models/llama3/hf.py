@@ -8,24 +8,24 @@ conversion there and back is bit-exact.
 
 from __future__ import annotations
 
-import dataclasses
-import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter
 from meshloom.models.llama3.model import Llama3Args, RopeScaling
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
 
-# meshloom name -> Hugging Face name; {i} is the layer index.
+# meshloom name -> Hugging Face name; per-block names are relative to layers.<i> / model.layers.<i>.
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_PER_LAYER = {
+_PER_BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -36,16 +36,6 @@ _PER_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_HF_TO_OURS_TOP = {hf: ours for ours, hf in _TOP_LEVEL.items()}
-_HF_TO_OURS_LAYER = {hf: ours for ours, hf in _PER_LAYER.items()}
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Buffers some older exports carry; they are derived from the config, never trained.
-IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-class HFConfigError(ValueError):
-    """A Hugging Face config.json that meshloom cannot represent."""
 
 
 # --------------------------------------------------------------------------- config
@@ -62,7 +52,7 @@ def _ffn_shape(dim: int, intermediate_size: int) -> tuple[int, float | None]:
     return intermediate_size, (None if base <= intermediate_size else intermediate_size / base)
 
 
-def _rope_settings(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+def _rope_settings(config: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     """rope_theta and scaling from either the transformers 4 layout (rope_theta + rope_scaling) or 5 (rope_parameters)."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
@@ -86,7 +76,7 @@ def _rope_settings(config: dict[str, Any], where: str) -> tuple[float, RopeScali
         raise HFConfigError(f"{where}: llama3 rope_scaling lacks {err.args[0]!r}") from None
 
 
-def args_from_hf_config(config: dict[str, Any], where: str = "config.json") -> Llama3Args:
+def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -> Llama3Args:
     """Llama3Args for a Hugging Face Llama config; anything we would compute differently is an error."""
     architectures = config.get("architectures") or [ARCHITECTURE]
     if config.get("model_type", MODEL_TYPE) != MODEL_TYPE or ARCHITECTURE not in architectures:
@@ -134,7 +124,7 @@ def args_from_hf_config(config: dict[str, Any], where: str = "config.json") -> L
         raise HFConfigError(f"{where}: {err}") from None
 
 
-def hf_config(args: Llama3Args, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
+def hf_config(args: Llama3Args, dtype: torch.dtype, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A transformers-readable config.json for args. `base` (e.g. the imported config) supplies other fields
     such as token ids; every field that shapes the network is written from args."""
     config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
@@ -172,17 +162,6 @@ def hf_config(args: Llama3Args, dtype: torch.dtype, base: dict[str, Any] | None 
     return config
 
 
-def args_to_dict(args: Llama3Args) -> dict[str, Any]:
-    return dataclasses.asdict(args)
-
-
-def args_from_dict(values: dict[str, Any]) -> Llama3Args:
-    values = dict(values)
-    if values.get("rope_scaling") is not None:
-        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-    return Llama3Args(**values)
-
-
 def shape_differences(wanted: Llama3Args, found: Llama3Args) -> list[str]:
     """Settings in which `found` computes something other than `wanted` (max_seq_len only sizes buffers)."""
     fields = {
@@ -212,43 +191,29 @@ def halves_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def hf_name(name: str) -> str:
-    """meshloom tensor name -> Hugging Face tensor name."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = _OURS_LAYER.fullmatch(name)
-    if match and match.group(2) in _PER_LAYER:
-        return f"model.layers.{match.group(1)}.{_PER_LAYER[match.group(2)]}"
-    raise KeyError(f"no Hugging Face name for meshloom tensor {name!r}")
+class Llama3HFAdapter(NameMapAdapter):
+    architectures = (ARCHITECTURE,)
+    model_type = MODEL_TYPE
+    top_level = _TOP_LEVEL
+    per_block = _PER_BLOCK
+    tied_pair = ("output.weight", "tok_embeddings.weight")
+    to_hf_transforms = {
+        "attention.wq.weight": lambda t, args: interleaved_to_halves(t, args.n_heads),
+        "attention.wk.weight": lambda t, args: interleaved_to_halves(t, args.kv_heads),
+    }
+    from_hf_transforms = {
+        "attention.wq.weight": lambda t, args: halves_to_interleaved(t, args.n_heads),
+        "attention.wk.weight": lambda t, args: halves_to_interleaved(t, args.kv_heads),
+    }
+
+    def args_from_config(self, config: Mapping[str, Any], where: str = "config.json") -> Llama3Args:
+        return args_from_hf_config(config, where)
+
+    def config_from_args(self, args: Llama3Args, dtype: torch.dtype, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return hf_config(args, dtype, base)
+
+    def shape_differences(self, wanted: Llama3Args, found: Llama3Args) -> list[str]:
+        return shape_differences(wanted, found)
 
 
-def our_name(name: str) -> str:
-    """Hugging Face tensor name -> meshloom tensor name."""
-    if name in _HF_TO_OURS_TOP:
-        return _HF_TO_OURS_TOP[name]
-    match = _HF_LAYER.fullmatch(name)
-    if match and match.group(2) in _HF_TO_OURS_LAYER:
-        return f"layers.{match.group(1)}.{_HF_TO_OURS_LAYER[match.group(2)]}"
-    raise KeyError(f"unknown Hugging Face Llama tensor {name!r}")
-
-
-def to_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor]:
-    if name.endswith("attention.wq.weight"):
-        tensor = interleaved_to_halves(tensor, args.n_heads)
-    elif name.endswith("attention.wk.weight"):
-        tensor = interleaved_to_halves(tensor, args.kv_heads)
-    return hf_name(name), tensor
-
-
-def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor]:
-    ours = our_name(name)
-    if ours.endswith("attention.wq.weight"):
-        tensor = halves_to_interleaved(tensor, args.n_heads)
-    elif ours.endswith("attention.wk.weight"):
-        tensor = halves_to_interleaved(tensor, args.kv_heads)
-    return ours, tensor
-
-
-def exported_names(names: list[str], args: Llama3Args) -> list[str]:
-    """The meshloom tensors an HF export holds: a tied output projection is the embedding, stored once."""
-    return [n for n in names if not (args.tie_embeddings and n == "output.weight")]
+ADAPTER = Llama3HFAdapter()

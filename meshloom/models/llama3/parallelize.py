@@ -1,6 +1,11 @@
-"""The one place where parallelism is applied to Llama 3, in a fixed order: Float8, TP/SP, CP, AC, compile, FSDP."""
+"""The one place where parallelism is applied to Llama 3, in a fixed order: Float8, TP/SP, CP, AC, compile, FSDP.
+
+Also what the degrees require of the shapes (`check_layout`) and how a pipeline stage is cut (`carve_stage`).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -12,16 +17,43 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.models.llama3.model import Transformer
+from meshloom.models.llama3.model import Llama3Args, Transformer
 from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
-from meshloom.parallel.dims import ParallelDims
+from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_layout(args: Llama3Args, dims: ParallelDims) -> None:
+    """Every tensor-parallel rank must get whole heads, kv heads, vocabulary rows and FFN rows."""
+    check_divisible("tp", dims.tp, {
+        "n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim,
+    })  # fmt: skip
+    if dims.pp > 1 and args.tie_embeddings:
+        raise ConfigError(
+            "this model ties its output projection to the embedding, but pipeline parallelism puts them on different "
+            "stages; use an untied model flavour or set parallelism.pp = 1"
+        )
+
+
+def carve_stage(model: Transformer, layers: Sequence[int], first: bool, last: bool) -> Transformer:
+    """Keep only one stage's part of a (meta-device) model: its blocks, plus the embedding on the first stage and the
+    final norm and output projection on the last. Block names keep their global index."""
+    keep = {str(i) for i in layers}
+    for name in [name for name in model.layers if name not in keep]:
+        del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh, loss_parallel: bool) -> None:

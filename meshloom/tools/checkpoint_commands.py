@@ -24,8 +24,8 @@ from meshloom.checkpoint.hf import (
 )
 from meshloom.checkpoint.safe_read import METADATA_FILE
 from meshloom.config.loader import load_config
-from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.parallel.distributed import world_size_from_env
+from meshloom.planning.run_plan import RunPlan
 from meshloom.train.model_setup import build_model
 
 
@@ -44,11 +44,10 @@ def seed_checkpoint(argv: list[str]) -> Path:
     complete, _ = folders.list_checkpoints(root)
     if complete:
         raise ValueError(f"{root} already holds checkpoints (up to step {complete[-1].step}); choose another job.dump_folder")
-    spec = get_model_spec(config.model.name)
-    args = configured_model_args(config.model)
+    plan = RunPlan.build(config, world_size=1)
     torch.manual_seed(config.training.seed)
-    model = build_model(spec, args, None, config, torch.device("cpu"))
-    return save_weights(model, folders.step_dir(root, 0), config.model.name, args, config)
+    model = build_model(plan, torch.device("cpu"), parallelize=False)
+    return save_weights(model, folders.step_dir(root, 0), plan.spec, plan.model_args, config)
 
 
 def seed_checkpoint_main(argv: list[str]) -> int:
@@ -84,16 +83,16 @@ def convert_main(argv: list[str]) -> int:
     try:
         if _is_meshloom_checkpoint(args.src):
             info = folders.open_checkpoint(args.src)
-            _, model_args, extra = read_model_args(info)
+            spec, model_args, extra = read_model_args(info)
             weights = read_model_weights(info)
             out = write_hf_folder(
-                weights, model_args, args.dst, parse_dtype(args.dtype), parse_size(args.max_shard_size), extra.get("hf_config")
+                weights, spec, model_args, args.dst, parse_dtype(args.dtype), parse_size(args.max_shard_size), extra.get("hf_config")
             )
             print(f"Hugging Face model written to {out}")
         elif (args.src / WEIGHTS_FILE).is_file() or (args.src / INDEX_FILE).is_file():
             folder = HFFolder(args.src)
             model = from_hf(folder.path)
-            out = save_weights(model, args.dst, "llama3", folder.args, extra={"hf_config": folder.config})
+            out = save_weights(model, args.dst, folder.spec, folder.args, extra={"hf_config": folder.config})
             print(f"meshloom checkpoint written to {out}; train from it with --checkpoint.initial_load_path {out}")
         else:
             return _fail(f"{args.src} is neither a meshloom checkpoint nor a Hugging Face model folder ({WEIGHTS_FILE} or {INDEX_FILE})")
@@ -114,12 +113,12 @@ def export_main(argv: list[str]) -> int:
     try:
         dtype = parse_dtype(args.dtype)
         info = folders.open_checkpoint(args.src)
-        name, model_args, extra = read_model_args(info)
+        spec, model_args, extra = read_model_args(info)
         weights = {k: v.to(dtype).contiguous() for k, v in read_model_weights(info).items()}
     except ValueError as err:
         return _fail(str(err))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt", "model": name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
+    metadata = {"format": "pt", "model": spec.name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
     save_file(weights, args.out, metadata=metadata)
     print(f"step {info.step} weights ({len(weights)} tensors, {args.dtype}) written to {args.out}")
     return 0

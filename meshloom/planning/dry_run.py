@@ -4,7 +4,7 @@ The process joins torch's fake process group (collectives return at once, nothin
 builds the same mesh, builds the model on the meta device and applies the same parallelize function the
 trainer uses, so every parameter gets the shard shape it would have on that rank, with no memory behind it.
 Parameter bytes are counted from those shards; gradients and optimizer state follow from them, and
-activations, peak memory, FLOPs and communication come from the estimators in `meshloom.observe`.
+activations, peak memory, FLOPs and communication come from the estimators beside this file.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import torch.distributed as dist
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.models.registry import configured_model_args, get_model_spec
-from meshloom.observe.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
-from meshloom.observe.memory_estimate import GIB, MemoryEstimate, estimate_memory
-from meshloom.parallel.dims import ParallelDims
-from meshloom.parallel.pipeline import PipelinePlan, carve_stage, plan_pipeline
-from meshloom.tools.layout_config import layout_from_config, precision_from_config
+from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
+from meshloom.planning.layout import layout_of, precision_from_config
+from meshloom.planning.memory_estimate import GIB, MemoryEstimate, estimate_memory
+from meshloom.planning.run_plan import RunPlan
 
 
 @dataclass
@@ -66,19 +64,11 @@ def _local_bytes(model: torch.nn.Module) -> int:
 
 def dry_run(config: Config, world_size: int) -> DryRunReport:
     """Build rank 0 of a `world_size`-rank run of `config` on meta tensors; report its memory, FLOPs and traffic."""
-    if world_size < 1:
-        raise ConfigError(f"--world-size must be a positive number of ranks, got {world_size}")
     start = time.perf_counter()
-    spec = get_model_spec(config.model.name)
-    args = configured_model_args(config.model)
-    tc = config.training
-    if tc.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len={tc.seq_len} exceeds the {config.model.flavor} model's max_seq_len={args.max_seq_len}")
-    dims = ParallelDims.from_config(config.parallelism, world_size)
-    dims.check_model(args.n_heads, args.kv_heads, args.vocab_size, args.ffn_hidden_dim, args.n_layers)
-    pipeline_plan = plan_pipeline(config, dims, args) if dims.pp > 1 else None
-    layout = layout_from_config(config, world_size)
+    plan = RunPlan.build(config, world_size)
+    layout = layout_of(plan)
     precision = precision_from_config(config)
+    shape = plan.shape()
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -86,37 +76,39 @@ def dry_run(config: Config, world_size: int) -> DryRunReport:
     if own_group:
         dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with torch.device("meta"):
-            parts = [spec.model_cls(args)]
-        if dims.is_distributed:
-            dims.build_mesh("cpu")
-            parts = _parallelize(spec, args, dims, config, pipeline_plan)
+        if plan.dims.is_distributed:
+            plan.dims.build_mesh("cpu")
+        parts = _build_rank0(plan)
         built = sum(_local_bytes(part) for part in parts)
     finally:
         if own_group:
             dist.destroy_process_group()
-    memory = estimate_memory(args, layout, tc.seq_len, precision, config.parallelism.loss_parallel)
-    model_flops, executed_flops = step_flops(args, layout, tc.seq_len)
-    comm = step_comm_bytes(args, layout, tc.seq_len, precision)
-    rank_params = estimate_memory(args, layout, tc.seq_len, precision, stage_index=0).params
+    tc = config.training
+    memory = estimate_memory(shape, layout, tc.seq_len, precision, config.parallelism.loss_parallel)
+    model_flops, executed_flops = step_flops(shape, layout, tc.seq_len)
+    comm = step_comm_bytes(shape, layout, tc.seq_len, precision)
+    rank_params = estimate_memory(shape, layout, tc.seq_len, precision, stage_index=0).params
     return DryRunReport(
         world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm, time.perf_counter() - start
     )
 
 
-def _parallelize(spec, args, dims: ParallelDims, config: Config, plan: PipelinePlan | None) -> list[torch.nn.Module]:
-    """What the trainer builds on this rank: the parallelized model, or pipeline rank 0's stages (each carved
-    out of a meta model and parallelized like a whole one, as `build_pipeline_stages` does)."""
-    if plan is None:
-        with torch.device("meta"):
-            return [spec.parallelize_fn(spec.model_cls(args), dims, config)]
-    stages = []
-    for stage in plan.stages_of(0):
+def _build_rank0(plan: RunPlan) -> list[torch.nn.Module]:
+    """What the trainer builds on rank 0, on meta: the parallelized model, or pipeline rank 0's stages (each carved
+    out of a meta model and parallelized like a whole one, as the trainer does)."""
+    spec, args, dims, config = plan.spec, plan.model_args, plan.dims, plan.config
+    stage_ids = plan.pipeline.stages_of(0) if plan.pipeline is not None else [None]
+    parts = []
+    for stage in stage_ids:
         with torch.device("meta"):
             module = spec.model_cls(args)
-        carve_stage(module, plan.stage_layers[stage], first=stage == 0, last=stage == plan.num_stages - 1)
-        stages.append(spec.parallelize_fn(module, dims, config))
-    return stages
+            if stage is not None:
+                last = stage == plan.pipeline.num_stages - 1
+                spec.carve_stage(module, plan.pipeline.stage_layers[stage], stage == 0, last)
+            if dims.is_distributed:
+                module = spec.parallelize(module, dims, config)
+        parts.append(module)
+    return parts
 
 
 def split_dry_run_args(argv: list[str]) -> tuple[int, list[str]]:

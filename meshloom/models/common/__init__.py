@@ -1,0 +1,1 @@
+"""Single-device building blocks shared by the model families: norms, RoPE variants, attention, MLPs, MoE."""

@@ -1,0 +1,111 @@
+"""Rotary position embeddings: frequency tables, their long-context scalings, and the two channel layouts.
+
+Tables are real-valued (cos, sin) of shape [max_seq_len, rotary_dim // 2], which DTensor and torch.compile
+handle more gracefully than complex numbers. A family picks the layout its original checkpoints use:
+``apply_rope`` rotates adjacent channel pairs (0,1), (2,3), ... (Meta's Llama, DeepSeek's released weights);
+``apply_rope_half`` rotates channel i with channel i + rotary_dim/2 (Hugging Face's Llama, Qwen).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class FrequencyScaling(Protocol):
+    """A long-context rescaling of per-pair RoPE frequencies (radians per token)."""
+
+    def scale_frequencies(self, freqs: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (long-context extension).
+
+    Frequencies whose wavelength is short compared to the original context are
+    kept, long-wavelength ones are divided by ``factor``, and the band in
+    between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"low_freq_factor={self.low_freq_factor}, high_freq_factor={self.high_freq_factor}"
+            )
+        if self.original_max_seq_len <= 0:
+            raise ValueError(
+                f"rope_scaling.original_max_seq_len must be > 0, got {self.original_max_seq_len}"
+            )
+
+    def scale_frequencies(self, freqs: torch.Tensor) -> torch.Tensor:
+        return scale_rope_frequencies(freqs, self)
+
+
+def scale_rope_frequencies(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Apply Llama 3.1 frequency scaling to per-pair RoPE frequencies (radians/token)."""
+    wavelen = 2 * math.pi / freqs
+    # Wavelengths (in tokens) bounding the interpolated band.
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    # smooth = 1 keeps the frequency, smooth = 0 divides it by factor.
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, interpolated)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def rope_tables(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: FrequencyScaling | None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return float32 (cos, sin) tables of shape [max_seq_len, head_dim // 2]."""
+    # float64 for the angles: position * frequency reaches ~1e5 radians at long
+    # context, where float32 would lose most of the fractional part.
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+    freqs = 1.0 / (theta**exponents)
+    if scaling is not None:
+        freqs = scaling.scale_frequencies(freqs)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, s, heads, head_dim] by position, channels in adjacent pairs (0,1), (2,3), ...
+
+    cos/sin are [s, head_dim // 2].
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, s, heads, head_dim] by position, channel i paired with channel i + head_dim/2.
+
+    cos/sin are [s, head_dim // 2].
+    """
+    xf = x.float()
+    x0, x1 = xf.chunk(2, dim=-1)
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).type_as(x)

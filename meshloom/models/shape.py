@@ -1,0 +1,105 @@
+"""The shape model of a model family: what the planning estimators need to know about it, from shapes alone.
+
+A family describes its parameters (per block and at the ends), the bytes one block keeps for backward per
+token under each activation-checkpointing mode, and its attention FLOPs. Everything else the estimators derive
+(sharding, pipeline stages, gradients, optimizer state, gathered weights, communication) is generic and lives in
+`meshloom.planning`. No tensors are made: a 671B model is described in microseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter of the model as the parallel plan sees it."""
+
+    shape: tuple[int, ...]
+    # The dimension tensor parallel splits, or None when the parameter is replicated over tp.
+    tp_dim: int | None = None
+    # A stack of routed experts on dim 0: split over expert-parallel ranks, each token uses top_k of them.
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ShapeModel(ABC):
+    """Shapes and per-token costs of one model (a family's args, fixed)."""
+
+    dim: int
+    vocab_size: int
+    n_layers: int
+    tie_embeddings: bool
+    # Routed experts per MoE block and how many each token uses (0 for dense models).
+    n_experts: int = 0
+    top_k: int = 0
+
+    # ------------------------------------------------------------------ what the family describes
+
+    @abstractmethod
+    def block_params(self, layer: int) -> list[ParamShape]:
+        """The parameters of block `layer` (index in the whole model)."""
+
+    @abstractmethod
+    def block_activation_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """Bytes block `layer` keeps for backward per token of a microbatch, under activation-checkpointing mode
+        `ac` ("none", "selective_op" or "full") and tensor-parallel degree `tp`, activations in `act_bytes`."""
+
+    @abstractmethod
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Forward + backward FLOPs of the attention scores and their weighted sum (q.k and p.v), per token,
+        over all blocks, counting the full square (the usual MFU convention)."""
+
+    @abstractmethod
+    def cp_elements_per_token(self, layer: int) -> float:
+        """Elements per token that ring attention passes around the context-parallel group in block `layer`'s
+        forward (its keys and values, before tensor-parallel splitting)."""
+
+    # ------------------------------------------------------------------ generic, overridable
+
+    def root_params(self, first: bool, last: bool) -> list[ParamShape]:
+        """The embedding on the first pipeline stage; the final norm and the output projection on the last (a
+        tied output is the embedding, and lives where the embedding does)."""
+        shapes = []
+        if first:
+            shapes.append(ParamShape((self.vocab_size, self.dim), 0))
+        if last:
+            shapes.append(ParamShape((self.dim,)))
+            if not self.tie_embeddings or not first:
+                shapes.append(ParamShape((self.vocab_size, self.dim), 0))
+        return shapes
+
+    def is_moe_block(self, layer: int) -> bool:
+        return any(p.expert for p in self.block_params(layer))
+
+    def active_numel(self, params: list[ParamShape]) -> float:
+        """Parameters one token multiplies through: top_k of n_experts of every expert stack."""
+        return sum(p.numel * (self.top_k / self.n_experts if p.expert else 1) for p in params)
+
+    def num_params(self) -> int:
+        """Every parameter, tied weights once."""
+        blocks = sum(p.numel for layer in range(self.n_layers) for p in self.block_params(layer))
+        return blocks + sum(p.numel for p in self.root_params(first=True, last=True))
+
+    def matmul_params_per_token(self) -> float:
+        """Active parameters that do matmul work per token: every block's (top_k experts of each MoE block) and
+        the output projection, not the embedding lookup (a tied table is the output projection, so it counts)."""
+        blocks = sum(self.active_numel(self.block_params(layer)) for layer in range(self.n_layers))
+        head = self.vocab_size * self.dim
+        return blocks + head + self.dim  # + the final norm, as the model's own count without the embedding
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 per active matmul parameter, plus attention."""
+        return 6.0 * self.matmul_params_per_token() + self.attention_flops_per_token(seq_len)
+
+    def recompute_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs full activation checkpointing adds per token: one more forward of every block."""
+        blocks = sum(self.active_numel(self.block_params(layer)) for layer in range(self.n_layers))
+        return 2.0 * blocks + self.attention_flops_per_token(seq_len) / 3

@@ -1,0 +1,77 @@
+"""`ModelSpec`: the whole contract between a model family and the rest of meshloom.
+
+Everything family-specific sits behind one spec in `meshloom/models/<family>/`; nothing outside
+`meshloom/models/` names a module or attribute of one family. The rest of meshloom relies only on this:
+
+* the model class is built as ``model_cls(args)`` (on the meta device too) and has ``init_weights()`` and
+  ``num_params(exclude_embedding=False)``; its forward takes token ids [b, s] (or the hidden states a previous
+  pipeline stage returns) plus optional keyword ``document_ids`` [b, s] and ``positions`` [s], and returns
+  float32 logits [b, s, vocab] on the last stage;
+* its blocks are ``layers.<i>`` (a ModuleDict keyed by the block's index in the whole model), which is how
+  pipeline split points and checkpointed blocks are named;
+* args are a dataclass with at least ``n_layers``, ``vocab_size`` and ``max_seq_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from meshloom.models.shape import ShapeModel
+
+if TYPE_CHECKING:
+    from meshloom.config.schema import Config
+    from meshloom.models.hf_adapter import HFAdapter
+    from meshloom.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: type[nn.Module]
+    flavors: Mapping[str, Any]
+    # Applies every parallelism the config asks for to a built model (or to one pipeline stage of it), in the
+    # family's fixed order; on one process it still applies Float8, activation checkpointing and compile.
+    parallelize: Callable[[nn.Module, ParallelDims, Config], nn.Module]
+    # Cuts a (meta-device) model down to one pipeline stage: its blocks (global indices), plus whatever the first
+    # and the last stage keep (embedding; final norm, output, ...).
+    carve_stage: Callable[[nn.Module, Sequence[int], bool, bool], nn.Module]
+    # Raises ConfigError when the model's shapes do not allow the parallel degrees (heads not divisible by tp, ...).
+    check_layout: Callable[[Any, ParallelDims], None]
+    # The shapes and per-token costs the estimators, --dry-run and `meshloom plan` read.
+    shape_model: Callable[[Any], ShapeModel]
+    # Hugging Face config.json and tensor names; None when the family has no Hugging Face counterpart.
+    hf: HFAdapter | None = None
+    # Matrices that Muon leaves to AdamW (embeddings, output head, routers), by parameter name.
+    adamw_only: Callable[[str], bool] = lambda name: False
+
+    @property
+    def args_cls(self) -> type:
+        return type(next(iter(self.flavors.values())))
+
+    def args_to_dict(self, args: Any) -> dict[str, Any]:
+        return dataclasses.asdict(args)
+
+    def args_from_dict(self, values: Mapping[str, Any]) -> Any:
+        """The inverse of args_to_dict for the family's args class (nested dataclasses rebuilt)."""
+        return _build_dataclass(self.args_cls, values)
+
+
+def _build_dataclass(cls: type, values: Mapping[str, Any]) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in values:
+            continue
+        value = values[field.name]
+        nested = [t for t in typing.get_args(hints[field.name]) or (hints[field.name],) if dataclasses.is_dataclass(t)]
+        if value is not None and nested and isinstance(value, Mapping):
+            value = _build_dataclass(nested[0], value)
+        kwargs[field.name] = value
+    return cls(**kwargs)

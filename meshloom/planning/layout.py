@@ -1,0 +1,134 @@
+"""A `Layout`: one way to run a model (degrees, checkpointing, microbatching) as the estimators see it; and
+the conversions between a run's settings and a layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshloom.config.errors import ConfigError
+from meshloom.config.schema import Config
+
+if TYPE_CHECKING:
+    from meshloom.planning.run_plan import RunPlan
+
+FP32 = 4
+# Modes `meshloom plan` chooses from; the estimate also covers selective_layer (every k-th block in full).
+AC_MODES = ("none", "selective_op", "full")
+ESTIMATED_AC_MODES = AC_MODES + ("selective_layer",)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a model: parallel degrees, checkpointing mode and how a step is cut into microbatches.
+
+    `microbatch_size` sequences go through each forward; each data-parallel rank runs `microbatches` of them
+    per optimizer step (gradient accumulation, or the pipeline's microbatches when pp > 1).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ac: str = "none"
+    microbatch_size: int = 1
+    microbatches: int = 1
+    pipeline_schedule: str = "1F1B"
+    # selective_layer: blocks k, 2k, 3k, ... (counting from 1 over the whole model) are checkpointed.
+    every_k_layers: int = 1
+    # Expert parallel: borrows its ranks from dp_shard x cp (it adds none to the world size).
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks that shard parameters: dp_shard x cp (context-parallel ranks also shard the weights)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def expert_fsdp(self) -> int:
+        """Ranks that shard each expert's weights: what dp_shard x cp leaves after ep."""
+        return self.fsdp // self.ep
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        names = ("dp_replicate", "dp_shard", "tp", "pp", "cp") + (("ep",) if self.ep > 1 else ())
+        degrees = [f"{name}={getattr(self, name)}" for name in names]
+        ac = f"{self.ac}(k={self.every_k_layers})" if self.ac == "selective_layer" else self.ac
+        return ",".join(degrees) + f" ac={ac} mbs={self.microbatch_size}x{self.microbatches}"
+
+    def block_ac_modes(self, block_ids: range) -> list[str]:
+        """The checkpointing mode of each block, by its index in the whole model (the rule of
+        `meshloom.parallel.activation_checkpoint.checkpointed_block_ids`)."""
+        if self.ac == "selective_layer":
+            return ["full" if (i + 1) % self.every_k_layers == 0 else "none" for i in block_ids]
+        return [self.ac] * len(block_ids)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """bf16 = FSDP's MixedPrecisionPolicy (or autocast without FSDP); fp32 everywhere otherwise."""
+
+    mixed_precision: str = "fp32"
+    reduce_dtype_bytes: int = FP32
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.mixed_precision == "bf16" else FP32
+
+
+def layout_of(plan: RunPlan) -> Layout:
+    """The layout a planned run uses."""
+    config, dims = plan.config, plan.dims
+    ac = config.activation_checkpoint.mode
+    if ac not in ESTIMATED_AC_MODES:
+        raise ConfigError(
+            f"activation_checkpoint.mode = {ac!r} has no memory model; estimates cover {', '.join(ESTIMATED_AC_MODES)}"
+        )
+    every_k_layers = config.activation_checkpoint.every_k_layers if ac == "selective_layer" else 1
+    if plan.pipeline is not None:
+        microbatch_size = config.training.local_batch_size // plan.pipeline.microbatches
+        microbatches = plan.pipeline.microbatches * plan.grad_accum_steps
+        schedule = plan.pipeline.schedule
+    else:
+        microbatch_size, microbatches, schedule = config.training.local_batch_size, plan.grad_accum_steps, "1F1B"
+    return Layout(
+        dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ac, microbatch_size, microbatches, schedule,
+        every_k_layers, dims.ep,
+    )  # fmt: skip
+
+
+def precision_from_config(config: Config) -> Precision:
+    reduce_bytes = 2 if config.parallelism.fsdp_reduce_dtype == "bfloat16" else 4
+    return Precision(config.training.mixed_precision, reduce_bytes)
+
+
+def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
+    """TOML sections that make a run use `layout` (global batch = microbatch size x microbatches x dp)."""
+    settings: dict[str, dict[str, object]] = {
+        "parallelism": {
+            "dp_replicate": layout.dp_replicate,
+            "dp_shard": layout.dp_shard,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "cp": layout.cp,
+            "ep": layout.ep,
+        },
+        "training": {"global_batch_size": layout.microbatch_size * layout.microbatches * layout.dp},
+        "activation_checkpoint": {"mode": layout.ac},
+    }
+    if layout.ac == "selective_layer":
+        settings["activation_checkpoint"]["every_k_layers"] = layout.every_k_layers
+    if layout.pp > 1:
+        settings["training"]["local_batch_size"] = layout.microbatch_size * layout.microbatches
+        settings["pipeline"] = {"schedule": layout.pipeline_schedule, "microbatches": layout.microbatches}
+    else:
+        settings["training"]["local_batch_size"] = layout.microbatch_size
+    return settings
