@@ -1,4 +1,4 @@
-"""meshloom: PyTorch-native LLM pretraining. `meshloom.from_hf(path)` loads a Hugging Face Llama folder."""
+"""meshloom: PyTorch-native LLM pretraining. `meshloom.from_hf(path)` loads a Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from meshloom.models.llama3 import Transformer
+    from torch import nn
 
 
-def from_hf(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> Transformer:
-    """A ready model (eval mode, float32 unless `dtype`) from a Hugging Face Llama folder; `model(tokens)` gives logits."""
+def from_hf(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> nn.Module:
+    """A ready model (eval mode, float32 unless `dtype`) from a Hugging Face folder of any family meshloom knows
+    (its config.json says which); `model(tokens)` gives logits."""
     import torch  # noqa: PLC0415 (keep `import meshloom` light)
 
     from meshloom.checkpoint.hf import from_hf as load  # noqa: PLC0415

@@ -10,22 +10,24 @@ import torch
 
 from meshloom.config.loader import ConfigError, load_config
 from meshloom.models.registry import get_model_args, get_model_spec
-from meshloom.parallel.dims import ParallelDims
-from meshloom.parallel.pipeline import SCHEDULES, carve_stage, plan_pipeline
+from meshloom.parallel.pipeline import SCHEDULES
+from meshloom.planning.run_plan import RunPlan
 from meshloom.tools.parity import FP32_TOLERANCE, compare
 from meshloom.tools.resume_cases import Case, launch, run_case
 from meshloom.train.model_setup import build_model, build_pipeline_stages
 from meshloom.train.optim import OptimizerGroup
 
 
-def dims(pp: int = 2, dp_shard: int = 1, tp: int = 1) -> ParallelDims:
-    return ParallelDims(1, dp_shard, tp, pp, 1, 1, world_size=pp * dp_shard * tp)
+def run_plan(*overrides: str, n_layers: int = 4, pp: int = 2, dp_shard: int = 1, flavor: str = "tiny") -> RunPlan:
+    config = load_config([
+        "--model.flavor", flavor, "--model.n_layers", str(n_layers), "--training.local_batch_size", "8",
+        "--parallelism.pp", str(pp), "--parallelism.dp_shard", str(dp_shard), *overrides,
+    ])  # fmt: skip
+    return RunPlan.build(config, world_size=pp * dp_shard)
 
 
-def plan(*overrides: str, n_layers: int = 4, pp: int = 2, dp_shard: int = 1, flavor: str = "tiny"):
-    config = load_config(["--model.flavor", flavor, "--training.local_batch_size", "8", *overrides])
-    args = dataclasses.replace(get_model_args("llama3", flavor), n_layers=n_layers)
-    return plan_pipeline(config, dims(pp, dp_shard), args)
+def plan(*overrides: str, **kwargs):
+    return run_plan(*overrides, **kwargs).pipeline
 
 
 # --------------------------------------------------------------------------- plans
@@ -126,36 +128,31 @@ def test_carved_stages_hold_only_their_layers():
     spec = get_model_spec("llama3")
     args = dataclasses.replace(get_model_args("llama3", "tiny"), n_layers=4)
     with torch.device("meta"):
-        first = carve_stage(spec.model_cls(args), (0,), first=True, last=False)
-        middle = carve_stage(spec.model_cls(args), (1, 2), first=False, last=False)
-        last = carve_stage(spec.model_cls(args), (3,), first=False, last=True)
+        first = spec.carve_stage(spec.model_cls(args), (0,), True, False)
+        middle = spec.carve_stage(spec.model_cls(args), (1, 2), False, False)
+        last = spec.carve_stage(spec.model_cls(args), (3,), False, True)
     assert owners(first) == {"tok_embeddings", "layers.0"}
     assert owners(middle) == {"layers.1", "layers.2"}
     assert owners(last) == {"layers.3", "norm", "output"}
 
 
 def test_stage_weights_equal_the_one_process_model():
-    spec = get_model_spec("llama3")
-    args = dataclasses.replace(get_model_args("llama3", "tiny"), n_layers=4)
-    config = load_config(["--model.flavor", "tiny", "--training.seed", "3", "--pipeline.schedule", "Interleaved1F1B"])
-    p = plan_pipeline(config, dims(), args)
-    whole = dict(build_model(spec, args, None, config, torch.device("cpu")).named_parameters())
-    stages = build_pipeline_stages(spec, args, dims(), config, torch.device("cpu"), p, [0, 1, 2, 3])
+    p = run_plan("--training.seed", "3", "--pipeline.schedule", "Interleaved1F1B")
+    whole_model = build_model(p, torch.device("cpu"), parallelize=False)
+    whole = dict(whole_model.named_parameters())
+    stages = build_pipeline_stages(p, torch.device("cpu"), [0, 1, 2, 3])
     seen = set()
     for stage in stages:
         for name, param in stage.named_parameters():
             torch.testing.assert_close(param, whole[name], rtol=0, atol=0)
             seen.add(name)
-        assert torch.equal(stage.rope_cos, build_model(spec, args, None, config, torch.device("cpu")).rope_cos)
+        assert torch.equal(stage.rope_cos, whole_model.rope_cos)
     assert seen == set(whole)
 
 
 def test_sharded_stage_init_is_deterministic_and_differs_between_stages():
-    spec = get_model_spec("llama3")
-    args = dataclasses.replace(get_model_args("llama3", "tiny"), n_layers=4)
-    config = load_config(["--model.flavor", "tiny", "--parallelism.init", "sharded"])
-    p = plan_pipeline(config, dims(), args)
-    first, second = (build_pipeline_stages(spec, args, dims(), config, torch.device("cpu"), p, [0, 1]) for _ in range(2))
+    p = run_plan("--parallelism.init", "sharded")
+    first, second = (build_pipeline_stages(p, torch.device("cpu"), [0, 1]) for _ in range(2))
     for a, b in zip(first, second):
         for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
             assert torch.equal(x, y), name

@@ -20,7 +20,7 @@ from meshloom.checkpoint.reading import load_state, read_index, verify
 from meshloom.checkpoint.state import ModelState
 from meshloom.config.loader import to_dict
 from meshloom.config.schema import Config
-from meshloom.models.registry import get_model_spec
+from meshloom.models.registry import get_model_spec, import_plugin
 from meshloom.models.spec import ModelSpec
 
 
@@ -30,6 +30,8 @@ def write_side_files(path: Path, config: Config | None, spec: ModelSpec, args: A
     if config is not None:
         (path / folders.CONFIG_FILE).write_text(json.dumps(to_dict(config), indent=1))
     model_info = {"model": spec.name, "args": spec.args_to_dict(args), **(extra or {})}
+    if config is not None and config.model.plugin:
+        model_info["plugin"] = config.model.plugin
     (path / folders.MODEL_ARGS_FILE).write_text(json.dumps(model_info, indent=1))
 
 
@@ -56,6 +58,7 @@ def read_model_args(info: CheckpointInfo) -> tuple[ModelSpec, Any, dict[str, Any
         raise ValueError(f"checkpoint {info.path} has no {folders.MODEL_ARGS_FILE}, so its model shape is unknown")
     try:
         data = json.loads(file.read_text())
+        import_plugin(data.get("plugin", ""))
         spec = get_model_spec(data["model"])
         return spec, spec.args_from_dict(data["args"]), data
     except (json.JSONDecodeError, KeyError, TypeError) as err:

@@ -22,10 +22,14 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family in the registry."""
+    """Model family in the registry (`meshloom train --help` lists the built-in ones under model.flavor)."""
 
     flavor: str = "debug"
     """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B)."""
+
+    plugin: str = ""
+    """A Python module to import before the family is looked up, so that it can register families of its own with
+    meshloom.models.registry.register_model (e.g. "my_project.models"); empty = built-in families only."""
 
     n_layers: int = 0
     """Number of transformer blocks, overriding the flavour's; 0 keeps the flavour's value."""

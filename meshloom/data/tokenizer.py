@@ -20,7 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 BUILTIN_BOS = "<|bos|>"
 BUILTIN_EOS = "<|eos|>"
 
-# Llama 3 pre-tokenizer: contractions, letter runs, digit groups of up to 3,
+# The pre-tokenizer of Meta's 128K-vocabulary tiktoken files (tokenizer.model): contractions, letter runs, digit groups of up to 3,
 # punctuation runs, and whitespace handling that keeps a leading space with the word.
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -34,7 +34,7 @@ _EOS_NAMES = ("<|end_of_text|>", "<|eos|>", "</s>", "<eos>", "[EOS]", "<|endofte
 
 
 def llama3_special_tokens() -> list[str]:
-    """The 256 Llama 3 special tokens, in id order after the mergeable ranks."""
+    """The 256 special tokens of Meta's 128K-vocabulary tiktoken files, in id order after the mergeable ranks."""
     named = [
         "<|begin_of_text|>", "<|end_of_text|>",
         "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
@@ -87,7 +87,7 @@ class HFTokenizer(Tokenizer):
 
 
 class TiktokenTokenizer(Tokenizer):
-    """A tiktoken BPE file with the Llama 3 regex and special tokens."""
+    """A tiktoken BPE file with the pre-tokenizer regex and special tokens of Meta's 128K-vocabulary release."""
 
     def __init__(self, ranks: dict[bytes, int], name: str, identity: str):
         import tiktoken
@@ -260,7 +260,7 @@ def build_tokenizer(
       the cached file without training (and without calling `train_texts` when it
       is a callable, so pass `texts_identity`, e.g. corpus_identity(train_docs)).
     spec "*.json": a Hugging Face tokenizer.json.
-    any other path: a tiktoken BPE file with Llama 3 regex and special tokens.
+    any other path: a tiktoken BPE file (regex and special tokens of Meta's 128K-vocabulary release).
     `vocab_size` only applies to "builtin"; read `.vocab_size` of the result.
     """
     if spec == "builtin":

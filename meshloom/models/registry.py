@@ -45,6 +45,7 @@ def get_model_args(name: str, flavor: str) -> Any:
 
 def configured_model_args(model: Any) -> Any:
     """The args a `[model]` config section describes: its flavour's, with n_layers overridden when set."""
+    import_plugin(model.plugin)
     args = get_model_args(model.name, model.flavor)
     return dataclasses.replace(args, n_layers=model.n_layers) if model.n_layers else args
 
@@ -61,6 +62,21 @@ def spec_for_hf_config(config: Mapping[str, Any], where: str) -> ModelSpec:
         f"{where}: unsupported architecture {config.get('architectures')} (model_type={config.get('model_type')!r}); "
         f"meshloom imports {', '.join(known)}"
     )
+
+
+def import_plugin(module: str) -> None:
+    """Import a module that registers model families (model.plugin); a no-op when empty or already imported."""
+    if not module:
+        return
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise ValueError(
+            f"model.plugin: cannot import {module!r} ({err}); give an importable module path (on PYTHONPATH) that calls "
+            "meshloom.models.registry.register_model, or leave model.plugin empty"
+        ) from None
 
 
 def _register_builtin_families() -> None:

@@ -5,7 +5,7 @@ and recomputes the rest in backward. The fifth mode, memory_budget, is not appli
 partitioner chooses what to keep (see `meshloom.parallel.compile`).
 
 The block's `forward` is wrapped in place instead of wrapping the module, so parameter names stay
-`layers.<i>.attention.wq.weight`: checkpoints, Hugging Face name maps and Float8 filters see the same model
+`layers.<i>.<module>.weight`: checkpoints, Hugging Face name maps and Float8 filters see the same model
 whichever mode runs.
 """
 

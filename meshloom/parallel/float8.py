@@ -28,8 +28,9 @@ from meshloom.config.schema import Float8Config
 FLOAT8_LOSS_BOUND_VS_BF16 = 2e-2
 # Float8 matmuls need both dims of the weight to be multiples of this.
 FLOAT8_DIM_MULTIPLE = 16
-# The vocabulary projection stays in high precision.
-SKIPPED_FQNS = ("output",)
+# Only the blocks' linears (`layers.<i>...`, the ModelSpec contract) are converted: the embedding and the
+# vocabulary projection stay in high precision.
+BLOCKS_PREFIX = "layers."
 
 
 def _usable(linear: nn.Linear, tp: int) -> bool:
@@ -39,7 +40,7 @@ def _usable(linear: nn.Linear, tp: int) -> bool:
 
 
 def _is_skipped(fqn: str) -> bool:
-    return any(fqn == name or fqn.startswith(name + ".") for name in SKIPPED_FQNS)
+    return not fqn.startswith(BLOCKS_PREFIX)
 
 
 def float8_targets(model: nn.Module, tp: int = 1) -> tuple[list[str], list[str]]:

@@ -42,8 +42,8 @@ class RunPlan:
         """Raise ConfigError for any setting the model, the world size or (when given) the device rules out."""
         if world_size < 1:
             raise ConfigError(f"the world size must be a positive number of ranks, got {world_size}")
-        spec = get_model_spec(config.model.name)
         args = configured_model_args(config.model)
+        spec = get_model_spec(config.model.name)
         tc = config.training
         if tc.seq_len > args.max_seq_len:
             raise ConfigError(

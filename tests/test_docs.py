@@ -1,0 +1,60 @@
+"""The README's Layout section and docs/architecture.md name only paths that exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOP_DIRS = ("meshloom/", "configs/", "scripts/", "benchmarks/", "tests/", "docs/")
+
+
+def _exists(token: str) -> bool:
+    """A path relative to the repository or the package, or a file name found somewhere in the package."""
+    token = token.rstrip("/")
+    if (REPO / token).exists() or (REPO / "meshloom" / token).exists():
+        return True
+    return "/" not in token and any((REPO / "meshloom").rglob(token))
+
+
+def _code_paths(text: str) -> list[str]:
+    """Backticked paths, and folder/file.py paths inside fenced code blocks (the diagrams)."""
+    tokens = re.findall(r"`([^`\s]+)`", text)
+    for block in text.split("```")[1::2]:
+        tokens += re.findall(r"\b[a-z_]+/[\w/]*\w\.py\b", block)
+    return [t for t in tokens if ("/" in t or t.endswith(".py")) and "<" not in t and not t.startswith(("-", "http"))]
+
+
+def test_architecture_doc_paths_exist():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    missing = [t for t in _code_paths(text) if not _exists(t)]
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_readme_paths_exist():
+    text = (REPO / "README.md").read_text()
+    named = [t for t in _code_paths(text) if t.startswith(TOP_DIRS)]
+    missing = [t for t in named if not _exists(t)]
+    assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+def test_readme_layout_section_matches_the_tree():
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    missing, folder = [], None
+    for line in block.splitlines():
+        words = re.findall(r"[\w./]+", line)
+        if line and not line[0].isspace() and words and words[0].endswith("/"):
+            folder = REPO / words[0]
+            if not folder.is_dir():
+                missing.append(words[0])
+        for word in words:
+            if word.endswith("/") and line.startswith(word):
+                continue
+            if word.endswith("/") and folder is not None and "/" not in word.rstrip("/"):
+                if not (folder / word).is_dir() and not (REPO / word).is_dir():
+                    missing.append(word)
+            elif word.endswith(".py") and folder is not None and not any(folder.rglob(word.split("/")[-1])):
+                missing.append(f"{folder.relative_to(REPO)}/{word}")
+    assert not missing, f"README's Layout section names what does not exist: {missing}"
+    assert len(block.splitlines()) > 8
