@@ -100,6 +100,10 @@ def test_stop_and_resume_is_bitwise_equal_to_training_straight(runs, layout: str
     assert stop.losses == straight.losses[:5]
     assert resume.losses == straight.losses[5:]
     assert stop.sample_ids + resume.sample_ids == straight.sample_ids
+    # Not only the losses: every weight and optimizer moment ends bitwise equal.
+    assert resume.final_state and resume.final_state == straight.final_state
+    assert any(key.startswith("optimizer.") for key in straight.final_state)
+    assert stop.final_state != straight.final_state
 
 
 def test_async_saves_of_multi_rank_runs_were_committed(runs) -> None:

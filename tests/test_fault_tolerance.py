@@ -26,31 +26,32 @@ from meshloom.tools.analyze_hang import main as analyze_main
 from meshloom.tools.parity import Layout, base_overrides
 
 REPO = Path(__file__).resolve().parents[1]
-FSDP2 = Layout.parse("dp_shard=2").overrides()
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
 
 
-def torchrun(args: list[str], workdir: Path, max_restarts: int = 0, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(
+    args: list[str], workdir: Path, max_restarts: int = 0, timeout: int = 600, layout: str = "dp_shard=2"
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env.pop("WORLD_SIZE", None)
+    parsed = Layout.parse(layout)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(parsed.world_size),
         "--max-restarts", str(max_restarts), "-m", "meshloom.train",
-        *base_overrides(10, workdir), "--training.deterministic", "true", "--metrics.log_freq", "1", *FSDP2, *args,
+        *base_overrides(10, workdir), "--training.deterministic", "true", "--metrics.log_freq", "1", *parsed.overrides(), *args,
     ]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def attempts(run_dir: Path) -> list[dict[int, float]]:
-    """metrics.jsonl split where the step count starts again (a restart): per attempt, step -> loss."""
-    out: list[dict[int, float]] = []
-    last = None
+    """metrics.jsonl split at each restart (its "restart"/"resume" event row): per attempt, step -> loss."""
+    out: list[dict[int, float]] = [{}]
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        if last is None or row["step"] <= last:
+        if "event" in row:
             out.append({})
-        out[-1][row["step"]] = row["loss"]
-        last = row["step"]
+        elif "loss" in row:
+            out[-1][row["step"]] = row["loss"]
     return out
 
 
@@ -59,14 +60,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str
     w = tmp_path_factory.mktemp("faults")
     (w / "cache").symlink_to(data_cache)
     out = {}
-    for name, args, restarts in [
-        ("save_crash", SAVE + ["--checkpoint.async_mode", "async", "--fault_injection.kill_during_save", "10"], 1),
-        ("chaos", SAVE + ["--fault_injection.kill_at_step", "7"], 1),
+    for name, args, restarts, layout in [
+        ("save_crash", SAVE + ["--checkpoint.async_mode", "async", "--fault_injection.kill_during_save", "10"], 1, "dp_shard=2"),
+        ("chaos", SAVE + ["--fault_injection.kill_at_step", "7"], 1, "dp_shard=2"),
         ("hang", ["--comm.train_timeout_seconds", "8", "--fault_injection.sleep_at_step", "3",
-                  "--fault_injection.sleep_seconds", "120", "--fault_injection.slow_seconds", "0.3"], 0),
+                  "--fault_injection.sleep_seconds", "120", "--fault_injection.slow_seconds", "0.3"], 0, "dp_shard=2"),
+        # FSDP 2 x TP 2: rank 3 is killed after step 7; the reference is the same layout trained straight.
+        ("chaos_tp", SAVE + ["--fault_injection.kill_at_step", "7", "--fault_injection.rank", "3"], 1, "dp_shard=2,tp=2"),
+        ("straight_tp", [], 0, "dp_shard=2,tp=2"),
     ]:  # fmt: skip
         run_dir = w / name
-        out[name] = (run_dir, torchrun(args + ["--job.dump_folder", str(run_dir)], w, restarts))
+        out[name] = (run_dir, torchrun(args + ["--job.dump_folder", str(run_dir)], w, restarts, layout=layout))
     return out
 
 
@@ -98,6 +102,18 @@ def test_sigkill_mid_run_restarts_and_continues_bitwise(runs) -> None:
     assert all(second[s] == reference[s] for s in second)  # bitwise after the restart
     # The surviving rank left its Flight Recorder trace when the group broke.
     assert (run_dir / "flight_recorder" / "attempt-0" / "rank-0.json").is_file()
+
+
+def test_sigkill_under_fsdp_and_tensor_parallel_restarts_and_continues_bitwise(runs) -> None:
+    run_dir, proc = runs["chaos_tp"]
+    _ok(proc)
+    _ok(runs["straight_tp"][1])
+    (reference,) = attempts(runs["straight_tp"][0])
+    first, second = attempts(run_dir)
+    assert "SIGKILL rank 3 after step 7" in proc.stderr
+    assert sorted(first) == list(range(1, 8)) and sorted(second) == list(range(6, 11))
+    assert all(first[s] == reference[s] for s in first)
+    assert all(second[s] == reference[s] for s in second)  # bitwise after the restart
 
 
 def test_analyzer_names_the_rank_that_did_not_join_the_collective(runs, capsys) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -93,12 +94,17 @@ class Checkpointer:
         if c.initial_load_path and not c.resume:
             self.initial = self._open_initial(c.initial_load_path, c.initial_load_format)
         self._precheck(complete)
+        # The run lineage whose step folders this run may replace and prune: a fresh one, or on resume the one of
+        # the checkpoint it continues (set when that is loaded).
+        self.lineage = uuid.uuid4().hex
         self._pending: _PendingSave | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._stager: DefaultStager | None = None
         self._before_commit = before_commit or (lambda step: None)
         self.parts: TrainingParts | None = None
+        # The checkpoint a resume continued from (None: a fresh start, or an initial load of weights only).
+        self.loaded_from: Path | None = None
 
     @staticmethod
     def _open_initial(path: str, fmt: str) -> HFFolder | CheckpointInfo:
@@ -129,6 +135,8 @@ class Checkpointer:
         if target is None:
             return
         if self.settings.resume:
+            if complete[0].step >= self.config.training.steps:  # whichever one loads: the same verdict, early
+                self._check_steps_left(target.path, target.step)
             self._check_data_degree(target)
         try:
             metadata = read_index(target.path)
@@ -138,9 +146,19 @@ class Checkpointer:
             model = spec.model_cls(args)
         check_model_shapes(target.path, metadata, {n: t.shape for n, t in model.state_dict().items()}, complete_model=True)
 
+    def _check_steps_left(self, path: Path, step: int) -> None:
+        if step >= self.config.training.steps:
+            raise ConfigError(
+                f"checkpoint.resume: the latest checkpoint, {path}, is at step {step}, and training.steps = "
+                f"{self.config.training.steps}, so there is nothing left to train; raise --training.steps above {step}"
+            )
+
     def _check_data_degree(self, target: CheckpointInfo) -> None:
         """A loader whose position is per data-parallel rank resumes only under the degree it was saved with."""
-        layout = target.marker.get("layout")
+        try:
+            layout = target.marker.get("layout")
+        except ValueError:
+            return  # a damaged marker is reported, or fallen back from, when loading
         if state_reshards(self.config.data) or not layout:
             return
         saved = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
@@ -171,6 +189,8 @@ class Checkpointer:
         assert self.parts is not None, "bind() the training parts first"
         if self.settings.resume:
             self._resume()
+            if self.loaded_from is not None:
+                self._check_steps_left(self.loaded_from, self.parts.progress.step)
         elif isinstance(self.initial, HFFolder):
             start = time.perf_counter()
             load_into_model_parts(self.parts.model_parts, self.initial)
@@ -178,8 +198,14 @@ class Checkpointer:
         elif isinstance(self.initial, CheckpointInfo):
             self._load_checkpoint(self.initial, weights_only=True)
 
-    def _load_checkpoint(self, info: CheckpointInfo, weights_only: bool) -> None:
+    def _load_checkpoint(self, info: CheckpointInfo, weights_only: bool | None) -> None:
+        """weights_only None: as the checkpoint's marker says (a weights-only save has nothing else)."""
         start = time.perf_counter()
+        try:
+            marker = info.marker
+        except ValueError as err:
+            raise CorruptCheckpointError(str(err)) from None
+        weights_only = info.weights_only if weights_only is None else weights_only
         metadata = read_index(info.path)
         verify(info)
         expected = {name: t.shape for name, t in self.model_state.state_dict().items()}
@@ -189,9 +215,13 @@ class Checkpointer:
             state.update(self.app_state)
             state["data"] = self.app_state["data"].entry_to_load(metadata.state_dict_metadata)
             # Random streams belong to ranks: continue them only when every rank has its predecessor.
-            if info.marker.get("world_size") == _world_size() and f"rng.{self.rng_state.key}.torch" in metadata.state_dict_metadata:
+            if marker.get("world_size") == _world_size() and f"rng.{self.rng_state.key}.torch" in metadata.state_dict_metadata:
                 state["rng"] = self.rng_state
         load_state(state, info.path)
+        if not weights_only:
+            self.loaded_from = info.path
+            if (lineage := folders.lineage_of(info.path)) is not None:
+                self.lineage = lineage
         what = "weights" if weights_only else "full state"
         _say(f"loaded {what} of step {info.step} from {info.path} in {time.perf_counter() - start:.2f} s")
 
@@ -200,7 +230,7 @@ class Checkpointer:
         for i in range(len(complete) - 1, -1, -1):
             info = complete[i]
             try:
-                self._load_checkpoint(info, weights_only=info.weights_only)
+                self._load_checkpoint(info, weights_only=None)
                 return
             except CorruptCheckpointError as err:
                 if i == 0:
@@ -238,8 +268,14 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         path = folders.step_dir(self.root, step)
         if rank() == 0:
-            if path.exists():  # left by a crashed or superseded save of the same step
-                folders.remove(path)
+            if path.exists():
+                if not folders.owned_by(path, self.lineage):
+                    raise ConfigError(
+                        f"{path} already exists and was not made by this run; move it out of {self.root} (it is never "
+                        "overwritten) or choose another checkpoint.folder"
+                    )
+                folders.remove(path)  # left by a crashed or superseded save of this run
+            folders.claim(path, self.lineage, step)
             write_side_files(path, self.config, self.plan.spec, self.plan.model_args)
         if distributed():
             dist.barrier()
@@ -298,6 +334,7 @@ class Checkpointer:
         folders.commit(path, {
             "step": step,
             "kind": "full",
+            "lineage": self.lineage,
             "world_size": _world_size(),
             "layout": {name: getattr(self.plan.dims, name) for name in DEGREE_NAMES},
             "async": self.settings.async_mode == "async",
@@ -308,5 +345,5 @@ class Checkpointer:
         })  # fmt: skip
         mode = "async" if self.settings.async_mode == "async" else "sync"
         _say(f"step {step} saved to {path} ({mode}): training blocked {blocking:.3f} s, total {total:.3f} s")
-        for removed in folders.prune(self.root, self.settings.keep_last_k):
+        for removed in folders.prune(self.root, self.settings.keep_last_k, self.lineage):
             _say(f"removed {removed}")

@@ -3,6 +3,10 @@
 A save writes its shards and DCP index into step-<N>/ and only then, once every rank has finished,
 rank 0 writes step-<N>/complete.json (via a temporary name and an atomic rename). Discovery looks only at
 folders with the marker, so a crash at any point of a save leaves the previous checkpoint as the latest.
+
+Every save first writes step-<N>/save.json naming the run lineage that made it (a resumed run continues the
+lineage of the checkpoint it loaded). Pruning and replacing a step folder only ever touch folders of the
+lineage saving now: a step-N folder the user put there, or one copied from another run, is never deleted.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshloom.checkpoint.safe_read import METADATA_FILE
 
 MARKER_FILE = "complete.json"
+OWNER_FILE = "save.json"  # which run lineage started this save (written first)
 CONFIG_FILE = "config.json"  # the run config the checkpoint was saved with
 MODEL_ARGS_FILE = "model_args.json"  # model family and shape, so tools can rebuild it without the config
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -25,9 +30,18 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 
 @dataclass(frozen=True)
 class CheckpointInfo:
+    """A step folder with a commit marker; the marker is read when first asked for, so a damaged marker only
+    matters for the checkpoint that is actually loaded."""
+
     path: Path
     step: int
-    marker: dict[str, Any]
+    _marker: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def marker(self) -> dict[str, Any]:
+        if self._marker is None:
+            object.__setattr__(self, "_marker", read_marker(self.path))
+        return self._marker
 
     @property
     def weights_only(self) -> bool:
@@ -65,7 +79,7 @@ def list_checkpoints(root: Path) -> tuple[list[CheckpointInfo], list[Path]]:
         if step is None:
             continue
         if is_complete(path):
-            complete.append(CheckpointInfo(path, step, read_marker(path)))
+            complete.append(CheckpointInfo(path, step))
         else:
             partial.append(path)
     complete.sort(key=lambda c: c.step)
@@ -94,7 +108,7 @@ def open_checkpoint(path: Path) -> CheckpointInfo:
     """A complete checkpoint: a step folder, or a checkpoint root (its latest complete step)."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"checkpoint {path} not found")
+        raise ValueError(f"checkpoint {path} does not exist")
     if is_complete(path):
         marker = read_marker(path)
         return CheckpointInfo(path, int(marker.get("step", 0)), marker)
@@ -129,19 +143,44 @@ def commit(path: Path, marker: dict[str, Any]) -> None:
         pass
 
 
+def claim(path: Path, lineage: str, step: int) -> None:
+    """Mark a step folder as started by `lineage` (before any shard is written)."""
+    path.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path / OWNER_FILE, {"lineage": lineage, "step": step})
+
+
+def lineage_of(path: Path) -> str | None:
+    """The run lineage that started a step folder's save, or None (no or an unreadable owner file)."""
+    try:
+        lineage = json.loads((Path(path) / OWNER_FILE).read_text()).get("lineage")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return lineage if isinstance(lineage, str) else None
+
+
+def owned_by(path: Path, lineage: str) -> bool:
+    """Whether a step folder was started by a save of `lineage`."""
+    return lineage_of(path) == lineage
+
+
 def remove(path: Path) -> None:
     """Delete a step folder, marker first, so a crash half-way leaves it incomplete, never half-complete."""
     (Path(path) / MARKER_FILE).unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
 
 
-def prune(root: Path, keep_last_k: int) -> list[Path]:
-    """Delete all but the newest keep_last_k complete checkpoints, and incomplete folders older than the newest
-    complete one (left by crashed saves). keep_last_k = 0 keeps everything. Returns what was deleted."""
+def prune(root: Path, keep_last_k: int, lineage: str) -> list[Path]:
+    """Delete this lineage's complete checkpoints beyond the newest keep_last_k, and its incomplete folders older
+    than its newest complete one (left by crashed saves). keep_last_k = 0 keeps everything. Folders of other
+    lineages, or without an owner file, are never touched. Returns what was deleted."""
+    if keep_last_k <= 0:
+        return []
     complete, partial = list_checkpoints(root)
-    doomed = [c.path for c in complete[:-keep_last_k]] if keep_last_k > 0 else []
-    if complete:
-        doomed += [p for p in partial if (_step_of(p) or 0) < complete[-1].step]
+    ours = [c.path for c in complete if owned_by(c.path, lineage)]
+    doomed = ours[:-keep_last_k]
+    if ours:
+        newest = _step_of(ours[-1]) or 0
+        doomed += [p for p in partial if owned_by(p, lineage) and (_step_of(p) or 0) < newest]
     for path in doomed:
         remove(path)
     return doomed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,11 @@ def write_side_files(path: Path, config: Config | None, spec: ModelSpec, args: A
 def save_weights(
     model: nn.Module, path: Path, spec: ModelSpec, args: Any, config: Config | None = None, extra: dict[str, Any] | None = None
 ) -> Path:
-    """A committed weights-only checkpoint (step 0) of a model held whole by this process."""
+    """A committed weights-only checkpoint (step 0) of a model held whole by this process, written into `path`, a
+    new or empty folder (see meshloom.checkpoint.output for writing over a user's folder)."""
     path = Path(path)
-    if path.exists():
-        folders.remove(path)
+    assert not path.exists() or not any(path.iterdir()), f"{path} must be new or empty"
+    folders.claim(path, uuid.uuid4().hex, 0)
     write_side_files(path, config, spec, args, extra)
     start = time.perf_counter()
     metadata = dcp.save({"model": ModelState([model])}, storage_writer=FileSystemWriter(path), no_dist=True)

@@ -88,6 +88,11 @@ class ShapeModel(ABC):
         blocks = sum(p.numel for layer in range(self.n_layers) for p in self.block_params(layer))
         return blocks + sum(p.numel for p in self.root_params(first=True, last=True))
 
+    def active_params(self) -> float:
+        """Every parameter a token uses (num_params with each expert stack counted at top_k of n_experts)."""
+        blocks = sum(self.active_numel(self.block_params(layer)) for layer in range(self.n_layers))
+        return blocks + sum(p.numel for p in self.root_params(first=True, last=True))
+
     def matmul_params_per_token(self) -> float:
         """Active parameters that do matmul work per token: every block's (top_k experts of each MoE block) and
         the output projection, not the embedding lookup (a tied table is the output projection, so it counts)."""

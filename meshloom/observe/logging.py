@@ -97,6 +97,15 @@ class MetricLogger:
         if progress_bar:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
 
+    def log_event(self, step: int, event: dict[str, Any]) -> None:
+        """A row that is not a metric (e.g. {"event": "resume", ...}): to metrics.jsonl and the console."""
+        if not self.enabled:
+            return
+        assert self._jsonl is not None, "log_event() called after close()"
+        self._jsonl.write(json.dumps({"step": step, **event}) + "\n")
+        self._jsonl.flush()
+        tqdm.write(f"step {step}: " + ", ".join(f"{k}={v}" for k, v in event.items()))
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics in every enabled sink."""
         if not self.enabled:

@@ -22,6 +22,7 @@ from meshloom.checkpoint.hf import (
     parse_size,
     write_hf_folder,
 )
+from meshloom.checkpoint.output import staged_file, staged_folder
 from meshloom.checkpoint.safe_read import METADATA_FILE
 from meshloom.config.loader import load_config
 from meshloom.parallel.distributed import world_size_from_env
@@ -47,7 +48,10 @@ def seed_checkpoint(argv: list[str]) -> Path:
     plan = RunPlan.build(config, world_size=1)
     torch.manual_seed(config.training.seed)
     model = build_model(plan, torch.device("cpu"), parallelize=False)
-    return save_weights(model, folders.step_dir(root, 0), plan.spec, plan.model_args, config)
+    path = folders.step_dir(root, 0)
+    with staged_folder(path) as tmp:
+        save_weights(model, tmp, plan.spec, plan.model_args, config)
+    return path
 
 
 def seed_checkpoint_main(argv: list[str]) -> int:
@@ -76,27 +80,30 @@ def convert_main(argv: list[str]) -> int:
         "Hugging Face folder (config.json + safetensors, sharded with an index when large). The direction follows SRC.",
     )
     parser.add_argument("src", type=Path, help="a Hugging Face model folder, or a meshloom checkpoint (step folder or root)")
-    parser.add_argument("dst", type=Path, help="output folder")
+    parser.add_argument("dst", type=Path, help="output folder (new or empty, unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the weight files of a non-empty DST; its other files stay")
     parser.add_argument("--dtype", default="bfloat16", help="Hugging Face output dtype: bfloat16 or float32")
     parser.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), help="largest safetensors shard, e.g. 5GB")
     args = parser.parse_args(argv)
     try:
+        if not args.src.exists():
+            return _fail(f"{args.src} does not exist; give a Hugging Face model folder or a meshloom checkpoint")
         if _is_meshloom_checkpoint(args.src):
             info = folders.open_checkpoint(args.src)
             spec, model_args, extra = read_model_args(info)
-            weights = read_model_weights(info)
-            out = write_hf_folder(
-                weights, spec, model_args, args.dst, parse_dtype(args.dtype), parse_size(args.max_shard_size), extra.get("hf_config")
-            )
-            print(f"Hugging Face model written to {out}")
+            dtype, max_shard = parse_dtype(args.dtype), parse_size(args.max_shard_size)
+            with staged_folder(args.dst, args.overwrite) as tmp:
+                write_hf_folder(read_model_weights(info), spec, model_args, tmp, dtype, max_shard, extra.get("hf_config"))
+            print(f"Hugging Face model written to {args.dst}")
         elif (args.src / WEIGHTS_FILE).is_file() or (args.src / INDEX_FILE).is_file():
             folder = HFFolder(args.src)
             model = from_hf(folder.path)
-            out = save_weights(model, args.dst, folder.spec, folder.args, extra={"hf_config": folder.config})
-            print(f"meshloom checkpoint written to {out}; train from it with --checkpoint.initial_load_path {out}")
+            with staged_folder(args.dst, args.overwrite) as tmp:
+                save_weights(model, tmp, folder.spec, folder.args, extra={"hf_config": folder.config})
+            print(f"meshloom checkpoint written to {args.dst}; train from it with --checkpoint.initial_load_path {args.dst}")
         else:
             return _fail(f"{args.src} is neither a meshloom checkpoint nor a Hugging Face model folder ({WEIGHTS_FILE} or {INDEX_FILE})")
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         return _fail(str(err))
     return 0
 
@@ -107,18 +114,19 @@ def export_main(argv: list[str]) -> int:
         description="Write a checkpoint's model weights as one consolidated safetensors file (meshloom tensor names), for inference.",
     )
     parser.add_argument("src", type=Path, help="a meshloom checkpoint (step folder, or a root: its latest complete step)")
-    parser.add_argument("out", type=Path, help="output .safetensors file")
+    parser.add_argument("out", type=Path, help="output .safetensors file (new, unless --overwrite)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype)
         info = folders.open_checkpoint(args.src)
         spec, model_args, extra = read_model_args(info)
         weights = {k: v.to(dtype).contiguous() for k, v in read_model_weights(info).items()}
-    except ValueError as err:
+        metadata = {"format": "pt", "model": spec.name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
+        with staged_file(args.out, args.overwrite) as tmp:
+            save_file(weights, tmp, metadata=metadata)
+    except (ValueError, OSError) as err:
         return _fail(str(err))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt", "model": spec.name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
-    save_file(weights, args.out, metadata=metadata)
     print(f"step {info.step} weights ({len(weights)} tensors, {args.dtype}) written to {args.out}")
     return 0

@@ -48,6 +48,36 @@ class Case:
 class CaseResult:
     losses: list[float]
     sample_ids: list[list[int]]  # per step, over all data-parallel ranks, sorted
+    # sha256 of every full (unsharded) model and optimizer tensor when the case ended, by state-dict key.
+    final_state: dict[str, str] = field(default_factory=dict)
+
+
+def state_digest(trainer) -> dict[str, str]:
+    """Hashes of the trainer's whole model and optimizer state, gathered from every rank's shards and stages:
+    two runs with equal digests hold bitwise-equal weights and optimizer moments, whatever their layout."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    digests: dict[str, str] = {}
+
+    def add(prefix: str, state: dict) -> None:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                data = value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                digests[f"{prefix}.{key}"] = hashlib.sha256(data).hexdigest()
+
+    for part, optimizer in zip(trainer.model_parts, trainer.optimizers):
+        add("model", get_model_state_dict(part, options=full))
+        add("optimizer", get_optimizer_state_dict(part, optimizer, options=full))
+    if dist.is_initialized():  # pipeline stages hold different keys; data-parallel ranks the same ones
+        everyone: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, digests)
+        digests = {key: value for rank_digests in everyone for key, value in rank_digests.items()}
+    return digests
 
 
 def run_case(case: Case, workdir: Path) -> CaseResult:
@@ -95,7 +125,7 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
     else:
         everyone = [consumed]
     per_step = [sorted(set().union(*(rank_ids[i] for rank_ids in everyone))) for i in range(len(consumed))]
-    return CaseResult(losses, per_step)
+    return CaseResult(losses, per_step, state_digest(trainer))
 
 
 def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:

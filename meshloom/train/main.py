@@ -3,18 +3,40 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
+from pathlib import Path
 
 from meshloom.config.loader import load_config
+from meshloom.config.schema import Config
 from meshloom.observe import flight_recorder
-from meshloom.parallel.distributed import shutdown_and_exit
+from meshloom.parallel.distributed import rank, shutdown_and_exit
 from meshloom.train.nonfinite import NonFiniteError
+
+
+def interrupted_message(config: Config | None, step: int | None, argv: list[str]) -> str:
+    """One line for Ctrl-C: where training stopped and, with checkpoints, how to continue."""
+    from meshloom.checkpoint import folders
+    from meshloom.checkpoint.dcp import checkpoint_root
+
+    where = f" at step {step}" if step is not None else " before the first step"
+    if config is None or not config.checkpoint.enable:
+        return f"meshloom: interrupted{where}; checkpointing is off, so nothing was saved"
+    root = checkpoint_root(config, Path(config.job.dump_folder))
+    complete, _ = folders.list_checkpoints(root)
+    if not complete:
+        return f"meshloom: interrupted{where}; no checkpoint was completed in {root} yet"
+    again = [a for a in argv if not a.startswith("--checkpoint.resume")]
+    command = " ".join(shlex.quote(a) for a in ["meshloom", "train", *again, "--checkpoint.resume", "true"])
+    return f"meshloom: interrupted{where}; latest complete checkpoint: {complete[-1].path} (step {complete[-1].step}); resume with: {command}"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     code = 0
+    config: Config | None = None
+    trainer = None
     try:
         if "--dry-run" in argv:
             from meshloom.planning.dry_run import main as dry_run_main  # one process, fake process group
@@ -23,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(argv)
         from meshloom.train.trainer import Trainer  # after config parsing so --help and typos answer fast
 
-        Trainer(config).train()
+        trainer = Trainer(config)
+        trainer.train()
+    except KeyboardInterrupt:
+        if rank() == 0:
+            print(interrupted_message(config, trainer.step if trainer is not None else None, argv), file=sys.stderr, flush=True)
+        # A collective may have been cut off mid-way: leave without the process group's teardown.
+        os._exit(130)
     except ValueError as err:  # user mistakes (ConfigError included) name the setting and the fix
         print(f"meshloom: error: {err}", file=sys.stderr)
         code = 2

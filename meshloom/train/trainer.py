@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from torch.distributed.fsdp import FSDPModule
 from meshloom.checkpoint.dcp import Checkpointer, checkpoint_root
 from meshloom.checkpoint.state import TrainingParts, TrainProgress
 from meshloom.config.errors import ConfigError
-from meshloom.config.loader import to_dict
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
 from meshloom.observe import flight_recorder
@@ -22,9 +20,18 @@ from meshloom.observe.logging import MetricLogger
 from meshloom.observe.metrics import Throughput, peak_flops_per_second, peak_memory_bytes
 from meshloom.observe.profiler import StepProfiler
 from meshloom.observe.stragglers import RankStepTimes
+from meshloom.observe.summary import startup_summary
 from meshloom.parallel.compile import build_loss_fn
 from meshloom.parallel.context import batch_sharder
-from meshloom.parallel.distributed import init_distributed, rank, set_collective_timeout, share_error, world_size_from_env
+from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
+from meshloom.parallel.distributed import (
+    init_distributed,
+    rank,
+    restart_attempt,
+    set_collective_timeout,
+    share_error,
+    world_size_from_env,
+)
 from meshloom.parallel.float8 import sync_float8_scales
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
 from meshloom.parallel.tensor import local_value, loss_parallel_context
@@ -37,6 +44,7 @@ from meshloom.train.model_setup import build_model
 from meshloom.train.nonfinite import NonFinitePolicy, is_finite
 from meshloom.train.optim import OptimizerGroup, build_optimizer
 from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
+from meshloom.train.run_folder import check_run_folder, continuation_event, write_run_config
 from meshloom.train.runtime import seed_everything, select_device
 
 
@@ -59,6 +67,7 @@ class Trainer:
         self.model_args, self.dims, self.grad_accum_steps = self.plan.model_args, self.plan.dims, self.plan.grad_accum_steps
         check_data_config(config.data)
         resume_after_restart(config, checkpoint_root(config, self.run_dir))
+        check_run_folder(config, self.run_dir, restart_attempt())
         self.faults = FaultInjector(config.fault_injection)
         self.checkpointer = Checkpointer(self.plan, self.run_dir, before_commit=self.faults.during_save)
         self.progress = TrainProgress(self.plan.tokens_per_step)
@@ -149,8 +158,18 @@ class Trainer:
             self.rank, self.step,
         )  # fmt: skip
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=1))
+            write_run_config(config, self.run_dir, self.step)
+            print(self._summary(), flush=True)
+        if (event := continuation_event(self.checkpointer.loaded_from, restart_attempt())) is not None:
+            self.logger.log_event(self.step, event)
+
+    def _summary(self) -> str:
+        shape = self.plan.shape()
+        degrees = {name: getattr(self.dims, name) for name in DEGREE_NAMES + MESH_DIMS}
+        return startup_summary(
+            self.config, self.run_dir, shape.num_params(), shape.active_params(), degrees, self.world_size,
+            str(self.device), self.tokens_per_step, self.grad_accum_steps, self.checkpointer.root, self.step,
+        )  # fmt: skip
 
     def _compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.config.training.mixed_precision == "bf16" else torch.float32

@@ -1,0 +1,60 @@
+"""The block a run prints once before its first step: what is being trained, where, on what, and where it goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshloom.config.schema import Config
+from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def _data_source(config: Config) -> str:
+    d = config.data
+    if d.dataset == "shards":
+        return f"prepared shards {d.shards}"
+    if d.dataset == "streaming":
+        return f"stream {d.stream}"
+    return f"text files under {d.path}" if d.path else "the built-in corpus (this interpreter's standard library)"
+
+
+def startup_summary(
+    config: Config,
+    run_dir: Path,
+    total_params: int,
+    active_params: float,
+    degrees: dict[str, int],
+    world_size: int,
+    device: str,
+    tokens_per_step: int,
+    grad_accum_steps: int,
+    checkpoint_root: Path,
+    start_step: int,
+) -> str:
+    m, t = config.model, config.training
+    active = f" ({_count(active_params)} active per token)" if active_params < total_params else ""
+    layout = " x ".join(f"{name} {degrees[name]}" for name in DEGREE_NAMES if degrees.get(name, 1) > 1) or "one process"
+    mesh = ", ".join(f"{name}={degrees[name]}" for name in MESH_DIMS)
+    dtype = "bf16 autocast / fp32 master weights" if t.mixed_precision == "bf16" else "fp32"
+    checkpoints = f"{checkpoint_root} (every {config.checkpoint.interval} steps)" if config.checkpoint.enable else "off"
+    lines = [
+        "meshloom run",
+        f"  run folder     {run_dir}",
+        f"  model          {m.name} {m.flavor}, {_count(total_params)} parameters{active}",
+        f"  layout         {layout} on {world_size} rank(s); mesh {mesh}",
+        f"  device         {device}, {dtype}",
+        f"  data           {_data_source(config)}, tokenizer {config.data.tokenizer}",
+        f"  tokens/step    {tokens_per_step:,} ({t.seq_len} tokens x {tokens_per_step // t.seq_len} sequences"
+        + (f", {grad_accum_steps} accumulation steps)" if grad_accum_steps > 1 else ")"),
+        f"  steps          {start_step} -> {t.steps}",
+        f"  checkpoints    {checkpoints}",
+    ]
+    if config.job.description:
+        lines.insert(1, f"  description    {config.job.description}")
+    return "\n".join(lines)

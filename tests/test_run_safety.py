@@ -1,0 +1,181 @@
+"""Nothing the user has is lost or silently merged: output folders, pruning, reruns, damaged markers, resumes, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshloom.checkpoint import folders
+from meshloom.config.loader import ConfigError, load_config
+from meshloom.tools.checkpoint_commands import convert_main, export_main
+from meshloom.tools.resume_cases import Case, CaseResult, run_case
+
+SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+RESUME = SAVE + ["--checkpoint.resume", "true"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    path = tmp_path_factory.mktemp("safety")
+    (path / "cache").symlink_to(data_cache)
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight(workdir: Path) -> tuple[CaseResult, Path]:
+    """10 steps saving at 5 and 10."""
+    run_dir = workdir / "straight"
+    return run_case(Case("straight", str(run_dir), overrides=SAVE), workdir), run_dir
+
+
+def _copy(run_dir: Path, dst: Path) -> Path:
+    shutil.copytree(run_dir / "checkpoint", dst / "checkpoint")
+    return dst
+
+
+# --------------------------------------------------------------------------- convert / export outputs
+
+
+def test_convert_into_a_non_empty_folder_needs_overwrite_and_keeps_other_files(straight, tmp_path: Path, capsys) -> None:
+    _, run_dir = straight
+    step10 = run_dir / "checkpoint" / "step-10"
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    (out / "model.safetensors").write_bytes(b"stale weights")
+    (out / "README.md").write_text("my notes")
+    assert convert_main([str(step10), str(out)]) == 2
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == '{"mine": true}'  # untouched
+
+    assert convert_main([str(step10), str(out), "--overwrite", "--max-shard-size", "20KB"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" not in names, "a stale single-file export next to new shards would be loaded instead"
+    assert "model.safetensors.index.json" in names and "README.md" in names
+    assert (out / "README.md").read_text() == "my notes"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert not [p for p in out.parent.iterdir() if ".partial-" in p.name]
+    for file in out.iterdir():
+        assert stat.S_IMODE(file.stat().st_mode) == 0o644 & ~_umask(), file
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_convert_and_export_bad_targets_are_one_line_errors(straight, tmp_path: Path, capsys) -> None:
+    _, run_dir = straight
+    step10 = str(run_dir / "checkpoint" / "step-10")
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    assert convert_main([step10, str(a_file)]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+    assert convert_main([step10, "/proc/meshloom-cannot-write-here"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshloom: error:") and err.count("\n") == 1 and "Traceback" not in err
+    assert convert_main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    out = tmp_path / "weights.safetensors"
+    out.write_bytes(b"user data")
+    assert export_main([step10, str(out)]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err and out.read_bytes() == b"user data"
+    assert export_main([step10, str(out), "--overwrite"]) == 0
+    assert out.stat().st_size > 1000 and stat.S_IMODE(out.stat().st_mode) == 0o644 & ~_umask()
+    assert export_main([step10, str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- pruning, reruns, markers, resume
+
+
+def test_pruning_only_touches_this_runs_folders(workdir: Path, tmp_path: Path) -> None:
+    root = tmp_path / "checkpoint"
+    (root / "step-1").mkdir(parents=True)  # the user's own folder, no save of this run
+    (root / "step-1" / "notes.txt").write_text("keep me")
+    keep = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.keep_last_k", "1"]
+    run_case(Case("prune", str(tmp_path), steps=6, overrides=keep), workdir)
+    complete, partial = folders.list_checkpoints(root)
+    assert [c.step for c in complete] == [6]
+    assert (root / "step-1" / "notes.txt").read_text() == "keep me" and partial == [root / "step-1"]
+
+
+def test_keep_last_k_zero_deletes_nothing(straight, tmp_path: Path, workdir: Path) -> None:
+    _, run_dir = straight
+    copy = _copy(run_dir, tmp_path)
+    crashed = copy / "checkpoint" / "step-3"
+    crashed.mkdir()
+    folders.claim(crashed, folders.lineage_of(copy / "checkpoint" / "step-5"), 3)  # this lineage's crashed save
+    run_case(Case("zero", str(copy), steps=12, overrides=RESUME + ["--checkpoint.keep_last_k", "0"]), workdir)
+    assert crashed.is_dir()
+    assert [c.step for c in folders.list_checkpoints(copy / "checkpoint")[0]] == [5, 10, 12]
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_another_run(straight, workdir: Path) -> None:
+    _, run_dir = straight
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl\).*--job.dump_folder.*--checkpoint.resume true"):
+        run_case(Case("again", str(run_dir), steps=2), workdir)
+
+
+def test_resume_marks_metrics_and_keeps_the_first_config(straight, tmp_path: Path, workdir: Path) -> None:
+    reference, run_dir = straight
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    # Only the checkpoint being loaded must be valid: a damaged marker of an older one does not matter.
+    (copy / "checkpoint" / "step-5" / folders.MARKER_FILE).write_text("{not json")
+    resumed = run_case(Case("more", str(copy), steps=12, overrides=RESUME), workdir)
+    assert len(resumed.losses) == 2
+    rows = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in rows if "event" in r]
+    assert events == [{"step": 10, "event": "resume", "attempt": 0, "checkpoint": str(copy / "checkpoint" / "step-10")}]
+    assert json.loads((copy / "config.json").read_text())["training"]["steps"] == 10
+    assert json.loads((copy / "config.resume-step-10.json").read_text())["training"]["steps"] == 12
+
+
+def test_resume_with_nothing_left_to_train_is_an_error(straight, workdir: Path) -> None:
+    _, run_dir = straight
+    with pytest.raises(ConfigError, match=r"is at step 10, and training.steps = 10, so there is nothing left to train"):
+        run_case(Case("nothing", str(run_dir), steps=10, overrides=RESUME), workdir)
+
+
+def test_unwritable_dump_folder_is_refused_before_anything_is_built(workdir: Path, tmp_path: Path) -> None:
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=r"job.dump_folder .*taken is a file"):
+        run_case(Case("file", str(a_file), steps=2), workdir)
+    with pytest.raises(ConfigError, match=r"job.dump_folder /proc/meshloom-run cannot be created"):
+        run_case(Case("proc", "/proc/meshloom-run", steps=2), workdir)
+
+
+# --------------------------------------------------------------------------- what the user sees
+
+
+def test_startup_summary_and_ctrl_c(workdir: Path, tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    """A run prints its summary once; Ctrl-C ends it with one line naming the latest checkpoint and the resume command."""
+    run_dir = tmp_path / "run"
+    argv = Case("ctrl-c", str(run_dir), steps=400, overrides=["--checkpoint.enable", "true", "--checkpoint.interval", "2",
+                "--job.description", "summary check"]).argv(workdir)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "meshloom.train", *argv], env=subprocess_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not folders.list_checkpoints(run_dir / "checkpoint")[0] and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    line = [l for l in err.splitlines() if l.startswith("meshloom: interrupted")]
+    assert len(line) == 1 and "latest complete checkpoint:" in line[0] and "--checkpoint.resume true" in line[0], err[-2000:]
+    for part in ("meshloom run", "summary check", f"run folder     {run_dir}", "model          llama3 tiny", "tokens/step    512"):
+        assert part in out, out[:2000]
