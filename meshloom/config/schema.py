@@ -75,8 +75,9 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["AdamW"] = "AdamW"
-    """Optimizer."""
+    name: Literal["AdamW", "Muon"] = "AdamW"
+    """AdamW for every parameter, or Muon for hidden weight matrices (and each expert matrix) with AdamW for the
+    rest (embeddings, output head, norms, biases, routers), both on the same LR schedule."""
 
     lr: float = 8e-4
     """Peak learning rate, reached at the end of warm-up."""
@@ -95,6 +96,22 @@ class OptimizerConfig:
 
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """Kernel choice: auto = fused on CUDA, foreach elsewhere."""
+
+    muon_lr: float = 0.0
+    """Muon only: peak learning rate of the Muon matrices; 0 = optimizer.lr (right for muon_adjust_lr = match_rms_adamw)."""
+
+    muon_momentum: float = 0.95
+    """Muon only: momentum of the Muon matrices' update."""
+
+    muon_nesterov: bool = True
+    """Muon only: use Nesterov momentum."""
+
+    muon_ns_steps: int = 5
+    """Muon only: Newton-Schulz iterations that orthogonalise each update (in bf16)."""
+
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon only: per-matrix learning-rate scale, 0.2*sqrt(max(m, n)) so updates match AdamW's RMS (reuse AdamW's lr and
+    weight decay), or sqrt(max(1, m/n)) as in the original Muon (wants a larger muon_lr)."""
 
 
 @dataclass

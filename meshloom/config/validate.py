@@ -34,6 +34,12 @@ def validate(config: Config) -> None:
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1/beta2 must lie in [0, 1), got {o.beta1}, {o.beta2}")
     _require(o.eps > 0, f"optimizer.eps must be positive, got {o.eps}")
     _require(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+    _require(o.muon_lr >= 0, f"optimizer.muon_lr must be >= 0 (0 = optimizer.lr), got {o.muon_lr}")
+    _require(0 <= o.muon_momentum < 1, f"optimizer.muon_momentum must lie in [0, 1), got {o.muon_momentum}")
+    _require(
+        1 <= o.muon_ns_steps < 100,
+        f"optimizer.muon_ns_steps must lie in [1, 100) (5 is the usual), got {o.muon_ns_steps}",
+    )
     _require(lr.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
     _require(0 < lr.decay_ratio <= 1, f"lr_scheduler.decay_ratio must lie in (0, 1], got {lr.decay_ratio}")
     _require(0 <= lr.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must lie in [0, 1], got {lr.min_lr_ratio}")

@@ -1,11 +1,14 @@
-"""AdamW with decay on weight matrices only."""
+"""AdamW with decay on weight matrices only, or Muon for hidden matrices with AdamW for the rest."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from meshloom.config.schema import OptimizerConfig
+from meshloom.train.muon import MuonAdamW, muon_param_groups
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -20,10 +23,39 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    config: OptimizerConfig,
+    device: torch.device,
+    adamw_only: Callable[[str], bool] | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer config.name asks for. Muon needs `adamw_only`, the model family's rule naming (by parameter name)
+    the matrices that stay on AdamW: embeddings, the output head, routers."""
     implementation = config.implementation
     if implementation == "auto":
         implementation = "fused" if device.type == "cuda" else "foreach"
+    if config.name == "Muon":
+        if adamw_only is None:
+            raise ValueError(
+                "optimizer.name = 'Muon' needs the model family's adamw_only rule (which matrices stay on AdamW); "
+                "pass adamw_only to build_optimizer"
+            )
+        groups = muon_param_groups(model, config.weight_decay, adamw_only)
+        for group in groups:
+            if group["kind"] == "muon" and config.muon_lr > 0:
+                group["lr"] = config.muon_lr
+        return MuonAdamW(
+            groups,
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            adamw_eps=config.eps,
+            foreach=implementation == "foreach",
+            fused=implementation == "fused",
+            momentum=config.muon_momentum,
+            nesterov=config.muon_nesterov,
+            ns_steps=config.muon_ns_steps,
+            adjust_lr_fn=config.muon_adjust_lr,
+        )
     return torch.optim.AdamW(
         param_groups(model, config.weight_decay),
         lr=config.lr,
