@@ -173,13 +173,20 @@ def hf_folder_tokenizer(folder: HFFolder):
         raise ValueError(f"Hugging Face folder {folder.path} has no {HF_TOKENIZER_FILE}; pass --tokenizer PATH")
     bos, eos = folder.config.get("bos_token_id"), folder.config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    if isinstance(bos, int) and isinstance(eos, int):
+    try:
+        tokenizer = build_tokenizer(str(file), [], 0, folder.path)
+    except ValueError:
+        if not (isinstance(bos, int) and isinstance(eos, int)):
+            raise
         import tokenizers  # noqa: PLC0415
 
-        raw = file.read_text()
-        tok = HFTokenizer(tokenizers.Tokenizer.from_str(raw), bos, eos, identity="hf-folder")
-        return tok
-    return build_tokenizer(str(file), [], 0, folder.path)
+        from meshloom.data.tokenizer import _digest  # noqa: PLC0415 (the identity `meshloom prepare` records)
+
+        raw = file.read_bytes()
+        return HFTokenizer(tokenizers.Tokenizer.from_str(raw.decode("utf-8")), bos, eos, identity=f"hf-json:{_digest(raw)[:20]}")
+    if isinstance(bos, int) and isinstance(eos, int):  # config.json's ids win over names guessed from the vocabulary
+        tokenizer.bos_id, tokenizer.eos_id = bos, eos
+    return tokenizer
 
 
 def data_tokenizer(data: DataConfig, where: str):
