@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
 
     code = 0
     try:
-        bad = [a for a in settings if a.startswith("-") and not a.startswith("--") or a.count(".") == 0 and a.startswith("--")]
+        bad = [a for a in settings if a.startswith("--") and "." not in a.partition("=")[0]]
         if bad:
             raise ValueError(f"unknown argument {bad[0]}; settings look like --parallelism.tp 2")
         options = EvalOptions(
