@@ -19,6 +19,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "convert": ("meshloom.tools.checkpoint_commands:convert_main", "Hugging Face folder <-> meshloom checkpoint"),
     "export": ("meshloom.tools.checkpoint_commands:export_main", "a checkpoint's weights as one safetensors file (bf16) for inference"),
+    "generate": ("meshloom.tools.generate:main", "continue prompts with a run, checkpoint or Hugging Face model (KV cache)"),
+    "eval": ("meshloom.tools.evaluate:main", "loss, perplexity and bits per byte on held-out text (any training layout)"),
+    "lm-eval": ("meshloom.integrations.lm_eval_tasks:main", "run lm-evaluation-harness with --model meshloom (needs meshloom[eval])"),
     "analyze-hang": (
         "meshloom.tools.analyze_hang:main",
         "read a failed run's Flight Recorder dumps: the diverged collective and the missing rank",

@@ -251,6 +251,26 @@ class ValidationConfig:
     steps: int = 4
     """Batches per evaluation."""
 
+    prompts: str = ""
+    """A file of prompts (.jsonl with a "prompt" or "text" field, or one prompt a line) continued by the model at
+    every evaluation (validation.freq and the last step); the samples go to the console and to TensorBoard as text.
+    Empty = no sampling."""
+
+    max_new_tokens: int = 32
+    """validation.prompts: tokens generated per prompt."""
+
+    temperature: float = 0.0
+    """validation.prompts: 0 = greedy; above 0, sampling seeded with validation.sample_seed (the same every time)."""
+
+    top_k: int = 0
+    """validation.prompts: sample among the k most likely tokens (0 = all)."""
+
+    top_p: float = 1.0
+    """validation.prompts: sample within the smallest set of tokens of this total probability, in (0, 1]."""
+
+    sample_seed: int = 0
+    """validation.prompts: seed of the sampler when temperature > 0."""
+
 
 @dataclass
 class MetricsConfig:
@@ -300,6 +320,13 @@ class CheckpointConfig:
 
     initial_load_format: Literal["dcp", "hf"] = "dcp"
     """Format of initial_load_path: dcp (a meshloom checkpoint) or hf (config.json + safetensors)."""
+
+    hf_export_interval: int = 0
+    """Write a Hugging Face folder (config.json, tokenizer files, safetensors) to <dump_folder>/hf/step-N every N
+    steps and after the last step, from the sharded training state under any layout; 0 = never."""
+
+    hf_export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Weight dtype of the Hugging Face exports."""
 
 
 @dataclass

@@ -132,6 +132,16 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.log(values, step=step)
 
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A piece of text (e.g. a generated sample): TensorBoard's text tab and W&B; the caller prints it."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.add_text(tag, text, global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({tag: text}, step=step)
+
     def advance(self, n: int = 1) -> None:
         """Move the progress bar by n steps."""
         if self._bar is not None:

@@ -11,10 +11,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from meshloom.checkpoint.dcp import Checkpointer, checkpoint_root
+from meshloom.checkpoint.hf_export import HFExporter, check_hf_export_config
 from meshloom.checkpoint.state import TrainingParts, TrainProgress
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
+from meshloom.inference.training_samples import build_prompt_sampler, check_sampling_config
 from meshloom.observe import flight_recorder
 from meshloom.observe.logging import MetricLogger
 from meshloom.observe.metrics import Throughput, peak_flops_per_second, peak_memory_bytes
@@ -66,6 +68,8 @@ class Trainer:
         self.plan = RunPlan.build(config, world_size_from_env(), self.device)
         self.model_args, self.dims, self.grad_accum_steps = self.plan.model_args, self.plan.dims, self.plan.grad_accum_steps
         check_data_config(config.data)
+        self.sample_prompts = check_sampling_config(config)  # validation.prompts
+        check_hf_export_config(self.plan)  # checkpoint.hf_export_interval
         resume_after_restart(config, checkpoint_root(config, self.run_dir))
         check_run_folder(config, self.run_dir, restart_attempt())
         self.faults = FaultInjector(config.fault_injection)
@@ -85,6 +89,8 @@ class Trainer:
         ))  # fmt: skip
         self.checkpointer.load()  # resume, or an initial load of weights
         self._build_observers()
+        self.sampler = build_prompt_sampler(self.plan, self.sample_prompts, self.data.tokenizer, self.model_parts, self.device, self.logger)
+        self.hf_exporter = HFExporter(self.plan, self.run_dir, self.model_parts, self.data.tokenizer)
 
     @property
     def step(self) -> int:
@@ -305,8 +311,12 @@ class Trainer:
                     metrics["skipped_step"] = 1.0
             if metrics:
                 self.logger.log(self.step, metrics)
+            if self.sampler is not None and self._should_validate():
+                self.sampler.sample(self.step)
             self.checkpointer.maybe_save()
+            self.hf_exporter.maybe_export(self.step)
             self.faults.after_step(self.step)
         self.profiler.stop()
+        self.hf_exporter.close()
         self.logger.close()
         return losses

@@ -3,6 +3,12 @@
 Attention derives the local head count from tensor shapes (``view(b, s, -1, head_dim)``), so column-sharded
 projections work unchanged under tensor parallel. ``core`` may be replaced from outside (context parallel puts
 a ring over the sequence shards there).
+
+Inference: ``kv_cache`` (None while training) may be set from outside to an object with
+``update(k, v) -> (k_all, v_all, mask)`` (see ``meshloom.inference.kv_cache``): it stores this step's keys and
+values [b, kv_heads, s, head_dim] and returns every cached one with the boolean mask [b, 1, s, keys] that
+hides padding and future keys. RoPE tables may then carry a batch dimension ([b, s, rotary_dim // 2]: each
+left-padded sequence counts positions from its own first token).
 """
 
 from __future__ import annotations
@@ -40,6 +46,23 @@ def causal_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=(same_document & causal)[:, None])
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention with an explicit boolean mask [b, 1, s_q, s_k] (True = may attend), as a KV cache needs."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def rotate(rope: RopeFn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply `rope` to x [b, s, heads, dim] with tables [s, d] (shared by the batch) or [b, s, d] (per sequence).
+
+    Per-sequence tables go through the same function by folding the batch into the sequence: a rotation
+    only looks at its own row, so [1, b*s] with [b*s] tables is the same computation.
+    """
+    if cos.dim() == 2:
+        return rope(x, cos, sin)
+    b, s = x.shape[:2]
+    return rope(x.reshape(1, b * s, *x.shape[2:]), cos.reshape(b * s, -1), sin.reshape(b * s, -1)).view(x.shape)
+
+
 class GroupedQueryAttention(nn.Module):
     """Causal grouped-query self-attention (several query heads share a kv head).
 
@@ -67,30 +90,37 @@ class GroupedQueryAttention(nn.Module):
         self.rope = rope
         # Swappable from outside (context parallel puts a ring over the sequence shards here).
         self.core = causal_attention
+        # Set only while generating (meshloom.inference.kv_cache.KVCache installs and removes it).
+        self.kv_cache = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # The RoPE tables are cut to length here, where the sequence is whole: between blocks it may be
-        # sequence-sharded (tensor parallel), as in the input of a later pipeline stage.
-        cos, sin = cos[:s], sin[:s]
+        # sequence-sharded (tensor parallel), as in the input of a later pipeline stage. Per-sequence tables
+        # ([b, s, d], generation with a KV cache) already have the right length.
+        if cos.dim() == 2:
+            cos, sin = cos[:s], sin[:s]
         # -1 heads: under tensor parallel each rank sees only its local heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        q, k = rotate(self.rope, q, cos, sin), rotate(self.rope, k, cos, sin)
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
+        mask = None
+        if self.kv_cache is not None:
+            k, v, mask = self.kv_cache.update(k, v)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             # Query head i reads kv head i // n_rep; an explicit copy works with
             # every SDPA backend and with sharded tensors.
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = self.core(q, k, v, document_ids)
+        out = self.core(q, k, v, document_ids) if mask is None else masked_attention(q, k, v, mask)
         out = out.transpose(1, 2).contiguous().view(b, s, -1)
         return self.wo(out)
 

@@ -211,7 +211,9 @@ class Transformer(nn.Module):
         document_ids [b, s] (optional): equal ids mark tokens of one document;
         attention then never crosses a document boundary.
         positions [s] (optional): the RoPE position of each token, for a
-        sequence shard whose tokens are not 0..s-1 (context parallel).
+        sequence shard whose tokens are not 0..s-1 (context parallel); or
+        [b, s], one row per sequence, when generating with a KV cache
+        (meshloom.inference.kv_cache installs it in every attention).
         Returns float32 logits [b, s, vocab], or hidden states when this stage
         has no output projection.
         """

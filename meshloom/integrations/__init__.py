@@ -1,0 +1,1 @@
+"""Adapters that let other tools drive meshloom models."""

@@ -1,0 +1,129 @@
+"""`meshloom generate`: continue prompts with a trained model (run folder, checkpoint or Hugging Face folder)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from meshloom.inference.sampling import SamplingSettings
+
+DESCRIPTION = """Continue one prompt (streamed to the console) or a file of prompts (written as JSONL) with a trained
+model: a run folder (its latest complete checkpoint and its tokenizer settings), a checkpoint step folder, or a
+Hugging Face folder (config.json + safetensors + tokenizer.json). Greedy when --temperature is 0."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshloom generate", description=DESCRIPTION)
+    p.add_argument("source", type=Path, help="RUN_DIR | CHECKPOINT | HF_FOLDER")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="one prompt; its tokens stream to the console")
+    prompts.add_argument("--prompts", type=Path, help="a .jsonl file ({\"prompt\": ...} per line) or a text file (one prompt a line)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of tokens of this total probability")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (each batch of --prompts adds its index)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (left-padded)")
+    p.add_argument("--output", type=Path, default=None, help="JSONL of --prompts' completions (default: PROMPTS-generations.jsonl beside it)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json or tiktoken file instead of the source's own")
+    p.add_argument("--no-bos", action="store_true", help="do not start prompts with the tokenizer's BOS token")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    return p
+
+
+class TextStream:
+    """Prints a growing token list as text, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], 0
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        self._write(final=False)
+
+    def finish(self) -> None:
+        self._write(final=True)
+        self.out.write("\n")
+
+    def _write(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") and not final:
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415 (after argument parsing, so --help answers fast)
+
+    from meshloom.checkpoint.hf import parse_dtype  # noqa: PLC0415
+    from meshloom.inference import loading  # noqa: PLC0415
+    from meshloom.inference.generate import check_prompts, generate, max_context  # noqa: PLC0415
+    from meshloom.inference.prompts import read_prompts  # noqa: PLC0415
+
+    settings = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).check()
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    texts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts, "--prompts")
+    source = loading.resolve(args.source)
+    tokenizer = loading.load_tokenizer(source, args.tokenizer)
+    bos = [] if args.no_bos else [tokenizer.bos_id]
+    prompts = [bos + tokenizer.encode(text) for text in texts]
+    _, model_args = loading.model_args(source)
+    check_prompts(prompts, args.max_new_tokens, model_args.max_seq_len)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    model = loading.load_model(source, device, parse_dtype(args.dtype))
+    assert max_context(model) == model_args.max_seq_len
+    print(f"loaded {source.describe()} on {device}", file=sys.stderr)
+    stop = [tokenizer.eos_id]
+    if args.prompt is not None:
+        stream = TextStream(tokenizer)
+        sys.stdout.write(args.prompt)
+        result = generate(model, prompts, args.max_new_tokens, settings, stop, on_tokens=lambda ids: int(ids[0]) in stop or stream.add(int(ids[0])))
+        stream.finish()
+        _report([result])
+        return 0
+    output = args.output or args.prompts.with_name(args.prompts.stem + "-generations.jsonl")
+    results = []
+    with open(output, "w", encoding="utf-8") as f:
+        for start in range(0, len(prompts), args.batch_size):
+            batch_settings = dataclasses.replace(settings, seed=settings.seed + start // args.batch_size)
+            result = generate(model, prompts[start : start + args.batch_size], args.max_new_tokens, batch_settings, stop)
+            for i, tokens in enumerate(result.tokens):
+                record = {
+                    "prompt": texts[start + i], "completion": tokenizer.decode(tokens), "prompt_tokens": len(prompts[start + i]),
+                    "completion_tokens": len(tokens), "finish": "stop" if result.stopped[i] else "length",
+                }  # fmt: skip
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            results.append(result)
+    print(f"wrote {len(prompts)} completions to {output}", file=sys.stderr)
+    _report(results)
+    return 0
+
+
+def _report(results: list) -> None:
+    """Prefill (prompt) and decode throughput, measured apart; the first new token of each row comes from the prefill."""
+    prompt = sum(r.prompt_tokens for r in results)
+    prefill = sum(r.prefill_seconds for r in results)
+    generated = sum(r.generated_tokens for r in results)
+    decoded = generated - sum(len(r.tokens) for r in results)
+    decode = sum(r.decode_seconds for r in results)
+    print(
+        f"prompt: {prompt} tokens, prefill {prefill:.3f} s ({prompt / max(prefill, 1e-9):,.1f} tok/s) | "
+        f"generated: {generated} tokens, decode {decode:.3f} s ({decoded / max(decode, 1e-9):,.1f} tok/s)",
+        file=sys.stderr,
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as err:
+        print(f"meshloom: error: {err}", file=sys.stderr)
+        return 2
