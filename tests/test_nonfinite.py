@@ -64,7 +64,7 @@ def test_rollback_reloads_the_checkpoint_and_skips_the_bad_batch(tiny_args, clea
     losses = Trainer(load_config(args)).train()
 
     # What training would have done had the bad batch never been there: steps 1-4, drop one batch, steps 5-7.
-    trainer = Trainer(load_config(_args(tiny_args)))
+    trainer = Trainer(load_config(_args(tiny_args) + ["--job.dump_folder", str(tmp_path / "without")]))
     without_bad_batch = [trainer.train_step().loss for _ in range(4)]
     assert trainer.data.train.next_batch().sample_ids.tolist() == clean[4].sample_ids
     without_bad_batch += [trainer.train_step().loss for _ in range(3)]
@@ -77,12 +77,12 @@ def test_rollback_reloads_the_checkpoint_and_skips_the_bad_batch(tiny_args, clea
     assert dump["first_nonfinite_parameter"] == POISONED and dump["sample_ids"] == sorted(clean[4].sample_ids)
 
 
-def test_rollback_gives_up_after_max_rollbacks_and_needs_checkpoints(tiny_args, clean) -> None:
+def test_rollback_gives_up_after_max_rollbacks_and_needs_checkpoints(tiny_args, clean, tmp_path: Path) -> None:
     bad = clean[1].sample_ids[0]  # step 2: no checkpoint yet to roll back to
     args = _args(tiny_args, bad) + ["--training.nonfinite", "rollback", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
     with pytest.raises(NonFiniteError, match=r"at step 2 before the first checkpoint was saved"):
         Trainer(load_config(args)).train()
     with pytest.raises(NonFiniteError, match=r"at step 2 after 0 rollbacks \(training.max_rollbacks\)"):
-        Trainer(load_config(args + ["--training.max_rollbacks", "0"])).train()
+        Trainer(load_config(args + ["--training.max_rollbacks", "0", "--job.dump_folder", str(tmp_path / "second")])).train()
     with pytest.raises(ConfigError, match=r"training.nonfinite = 'rollback' reloads the latest checkpoint, but checkpoint.enable is false"):
         load_config(_args(tiny_args) + ["--training.nonfinite", "rollback"])

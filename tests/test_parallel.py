@@ -1,13 +1,16 @@
 """Layout validation and the launcher: bad layouts fail clearly on every rank, good runs exit 0."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from meshloom.config import ConfigError, ParallelismConfig
+from meshloom.config import ConfigError, ParallelismConfig, load_config
+from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.parallel.dims import ParallelDims
+from meshloom.planning.run_plan import RunPlan
 
 from conftest import REPO
 
@@ -39,15 +42,19 @@ def test_degrees_that_do_not_fit_the_world(world, degrees, message):
 
 
 def test_model_shape_checks():
+    """The family's layout checks (heads, kv heads, vocabulary, FFN divisible by tp) and the generic ones (ep on a
+    dense model), as the run plan applies them."""
+    spec, args = get_model_spec("llama3"), get_model_args("llama3", "tiny")
     with pytest.raises(ConfigError, match=r"tp=3 does not divide the model's n_heads=8"):
-        dims(3, tp=3).check_model(n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=256, n_layers=2)
+        spec.check_layout(args, dims(3, tp=3))
     with pytest.raises(ConfigError, match="n_kv_heads=4"):
-        dims(8, tp=8).check_model(n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=256, n_layers=2)
+        spec.check_layout(args, dims(8, tp=8))
     with pytest.raises(ConfigError, match="vocab_size=511"):
-        dims(2, tp=2).check_model(n_heads=8, n_kv_heads=4, vocab_size=511, ffn_hidden_dim=256, n_layers=2)
+        spec.check_layout(dataclasses.replace(args, vocab_size=511), dims(2, tp=2))
     with pytest.raises(ConfigError, match="ep > 1 needs a mixture-of-experts model"):
-        dims(2, ep=2, dp_shard=1, dp_replicate=2).check_model(8, 4, 512, 256, 2)
-    dims(4, tp=4).check_model(n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=256, n_layers=2)
+        RunPlan.build(load_config(["--model.flavor", "tiny", "--parallelism.ep", "2", "--parallelism.dp_replicate", "2",
+                                   "--parallelism.dp_shard", "1"]), 2)  # fmt: skip
+    spec.check_layout(args, dims(4, tp=4))
 
 
 def _launch(nproc: int, overrides: list[str], env: dict, tmp_path) -> subprocess.CompletedProcess:

@@ -29,20 +29,26 @@ def test_loss_falls_and_every_metric_is_logged(tiny_args, tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["training"]["steps"] == 25
 
 
-def test_gradient_accumulation_matches_one_big_batch(tiny_args):
+def _folder(tmp_path, name: str) -> list[str]:
+    """One run folder per run: a folder holds a single run's history."""
+    return ["--job.dump_folder", str(tmp_path / name)]
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_args, tmp_path):
     big = Trainer(load_config(tiny_args + ["--training.steps", "3", "--validation.enable", "false"])).train()
     accumulated = Trainer(
         load_config(tiny_args + ["--training.steps", "3", "--validation.enable", "false",
-                                 "--training.local_batch_size", "2", "--training.global_batch_size", "4"])
+                                 "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
+                    + _folder(tmp_path, "accumulated"))
     ).train()
     assert accumulated == pytest.approx(big, abs=2e-6)
 
 
-def test_same_seed_same_losses_and_bf16_runs(tiny_args):
+def test_same_seed_same_losses_and_bf16_runs(tiny_args, tmp_path):
     args = tiny_args + ["--training.steps", "3", "--validation.enable", "false", "--training.deterministic", "true"]
-    assert Trainer(load_config(args)).train() == Trainer(load_config(args)).train()
-    fp32 = Trainer(load_config(args)).train()
-    bf16 = Trainer(load_config(args + ["--training.mixed_precision", "bf16"])).train()
+    assert Trainer(load_config(args)).train() == Trainer(load_config(args + _folder(tmp_path, "again"))).train()
+    fp32 = Trainer(load_config(args + _folder(tmp_path, "fp32"))).train()
+    bf16 = Trainer(load_config(args + ["--training.mixed_precision", "bf16"] + _folder(tmp_path, "bf16"))).train()
     assert bf16 != fp32 and bf16 == pytest.approx(fp32, abs=0.05)
 
 
