@@ -139,13 +139,23 @@ def _layer_groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def _has_hf_name(folder: HFFolder, name: str) -> bool:
+    """Whether the format holds meshloom tensor `name`: training-only modules (multi-token prediction) have no
+    Hugging Face name and keep the values the run initialised them with."""
+    try:
+        folder.adapter.sources(name, folder.args)
+    except KeyError:
+        return False
+    return True
+
+
 @torch.no_grad()
 def load_into_model_parts(model_parts: list[nn.Module], folder: HFFolder) -> None:
     """Fill (possibly sharded) model parts with the weights of a checked folder; each rank reads full tensors
     lazily and keeps its own shard, so any layout gets the same weights."""
     for part in model_parts:
         template = get_model_state_dict(part)
-        for group in _layer_groups(list(template)):
+        for group in _layer_groups([name for name in template if _has_hf_name(folder, name)]):
             full = {name: t.to(template[name].dtype) for name, t in folder.tensors(group)}
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
 

@@ -25,7 +25,7 @@ class ModelConfig:
     """Model family in the registry (`meshloom train --help` lists the built-in ones under model.flavor)."""
 
     flavor: str = "debug"
-    """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B)."""
+    """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B; deepseek_v3: tiny, debug, 16B, 671B)."""
 
     plugin: str = ""
     """A Python module to import before the family is looked up, so that it can register families of its own with

@@ -9,7 +9,11 @@ Everything family-specific sits behind one spec in `meshloom/models/<family>/`; 
   float32 logits [b, s, vocab] on the last stage;
 * its blocks are ``layers.<i>`` (a ModuleDict keyed by the block's index in the whole model), which is how
   pipeline split points and checkpointed blocks are named;
-* args are a dataclass with at least ``n_layers``, ``vocab_size`` and ``max_seq_len``.
+* args are a dataclass with at least ``n_layers``, ``vocab_size`` and ``max_seq_len``;
+* a family with auxiliary training losses (``aux_losses(args)`` not empty, e.g. multi-token prediction) takes the
+  batch's next-token targets as keyword ``labels`` [b, s] and, in training mode, returns ``(logits, *losses)`` on the
+  last stage, one scalar per name in ``aux_losses`` order; the trainer adds each times its weight to the next-token
+  loss and logs it under its name. In eval mode, or without labels, it returns the logits alone.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class ModelSpec:
     hf: HFAdapter | None = None
     # Matrices that Muon leaves to AdamW (embeddings, output head, routers), by parameter name.
     adamw_only: Callable[[str], bool] = lambda name: False
+    # Auxiliary losses the model computes itself in training (see the module docstring): name -> weight.
+    aux_losses: Callable[[Any], Mapping[str, float]] = lambda args: {}
 
     @property
     def args_cls(self) -> type:

@@ -172,8 +172,9 @@ def _row_tiles(q: torch.Tensor, kv_len: int, causal: bool) -> Iterator[tuple[int
 def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q over one key block: (output, log-sum-exp of the scores), both float32."""
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    """Softmax attention of q over one key block: (output, log-sum-exp of the scores), both float32. The output has
+    v's head size, which may differ from q's and k's."""
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for start, end, kv_end in _row_tiles(q, k.shape[2], causal):
         scores = _tile_scores(q[:, :, start:end], k[:, :, :kv_end], start, scale, causal)
@@ -255,18 +256,27 @@ class Ring:
         return _InFlight(dist.batch_isend_irecv(ops), buffer)
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Keys and values as one message (joined on the head dimension, which may differ between them)."""
+    return torch.cat((k, v), dim=-1)
+
+
+def _unpack(kv: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[..., :k_dim], kv[..., k_dim:]
+
+
 def _ring_forward(q, k, v, ring: Ring, layout: SequenceLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in q's dtype, float32 log-sum-exp) of this rank's queries over every rank's keys."""
-    shard_len = q.shape[2]
+    shard_len, k_dim = q.shape[2], k.shape[-1]
     q32 = q.float()
-    out = torch.zeros_like(q32)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))  # one message per hop, in the input dtype
+    kv = _pack(k, v)  # one message per hop, in the input dtype
     for step in range(ring.size):
         # The next block travels while this one is computed.
         incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
         owner = (ring.rank - step) % ring.size
-        k32, v32 = kv[0].float(), kv[1].float()
+        k32, v32 = (t.float() for t in _unpack(kv, k_dim))
         for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
             block_out, block_lse = block_attention(q32[:, :, rows], k32[:, :, keys], v32[:, :, keys], scale, causal)
             merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
@@ -277,25 +287,26 @@ def _ring_forward(q, k, v, ring: Ring, layout: SequenceLayout, scale: float) -> 
 
 def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, layout: SequenceLayout, scale: float):
     """(dq, dk, dv) of this rank's shard; each key/value block's gradient comes home from the ranks it visited."""
-    shard_len = q.shape[2]
+    shard_len, k_dim = q.shape[2], k.shape[-1]
     q32, grad32 = q.float(), grad_out.float()
     delta = (grad32 * out.float()).sum(-1)
     dq = torch.zeros_like(q32)
-    kv = torch.stack((k, v))
+    kv = _pack(k, v)
     grad_in_flight: _InFlight | None = None
     for step in range(ring.size):
         incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
         owner = (ring.rank - step) % ring.size
-        k32, v32 = kv[0].float(), kv[1].float()
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        k32, v32 = (t.float() for t in _unpack(kv, k_dim))
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
+        dk, dv = _unpack(dkv, k_dim)
         for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
             dq_block, dk_block, dv_block = block_attention_backward(
                 q32[:, :, rows], k32[:, :, keys], v32[:, :, keys],
                 grad32[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal,
             )
             dq[:, :, rows] += dq_block
-            dkv[0][:, :, keys] += dk_block
-            dkv[1][:, :, keys] += dv_block
+            dk[:, :, keys] += dk_block
+            dv[:, :, keys] += dv_block
         if grad_in_flight is not None:
             # The gradient this block collected on the ranks it visited before this one.
             dkv += grad_in_flight.wait()
@@ -303,8 +314,8 @@ def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, layout: SequenceLayo
         grad_in_flight = ring.pass_on(dkv, _GRAD_TAG)
         if incoming is not None:
             kv = incoming.wait()
-    dkv = grad_in_flight.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = _unpack(grad_in_flight.wait(), k_dim)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -331,7 +342,8 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's sequence shard over the whole sequence held by the ring.
 
-    q, k, v: [b, heads, shard_len, head_dim], laid out by `layout` (the same heads for k, v as for q).
+    q, k, v: [b, heads, shard_len, head_dim], laid out by `layout` (the same heads for k, v as for q; v's head_dim
+    may differ from q's and k's).
     """
     if q.shape[2] % layout.chunks_per_rank:
         raise ValueError(f"shard length {q.shape[2]} is not divisible by {layout.chunks_per_rank} chunks per rank")

@@ -12,10 +12,12 @@ stages r and 2·pp - 1 - r on rank r, so the first and the last stage share rank
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -28,6 +30,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining import stage as _stage_module
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from meshloom.config.errors import ConfigError
@@ -199,11 +202,19 @@ def plan_pipeline(config: Config, dims: ParallelDims, n_layers: int) -> Pipeline
 
 
 class EvalSafeStage(PipelineStage):
-    """A PipelineStage whose same-rank gradient hand-over does nothing when the schedule runs forward only.
+    """A PipelineStage whose same-rank gradient hand-over does nothing when the schedule runs forward only, and
+    whose separate weight-gradient pass works when one parameter feeds a chain more than once.
 
     In eval(), torch 2.13's runtime still walks the V schedules' backward actions (ZBVZeroBubble, DualPipeV); each
     backward computation and send skips itself without backward, but handing gradients between a rank's two
     adjacent stages asserts instead. Skipping the hand-over too makes evaluation work for every schedule.
+
+    Zero-bubble schedules compute weight gradients group by group, each group an autograd.grad call that frees
+    the graph it walks. A parameter used at two points of one chain (an embedding read by consecutive
+    multi-token-prediction depths) makes its group walk through the blocks between them, freeing what the later
+    groups of those blocks need: torch raises "backward through the graph a second time". Keeping the graph for
+    the rest of that microbatch's weight pass (it is released when the pass ends) gives the full backward's
+    gradients exactly, and costs no peak memory: everything kept was alive when the pass began.
     """
 
     def get_local_bwd_output(self, mb_index: int):
@@ -212,6 +223,14 @@ class EvalSafeStage(PipelineStage):
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
         if self.has_backward:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        original = _stage_module.stage_backward_weight
+        _stage_module.stage_backward_weight = functools.partial(original, retain_graph=True)
+        try:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        finally:
+            _stage_module.stage_backward_weight = original
 
 
 def build_schedule(
@@ -234,3 +253,83 @@ def build_schedule(
     traits = plan.traits
     target = stages if traits.multi_stage else stages[0]
     return traits.cls(target, plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class SharedStageParameters:
+    """Parameters that several pipeline stages hold under one name: each stage keeps its own copy (a last stage's
+    multi-token prediction reads the first stage's embedding, say), and the copies stay equal because they start
+    equal (`sync_values`) and every step each gets the sum of all copies' gradients (`sum_grads`), the gradient
+    one process computes for the one parameter; the optimizers then make the same update to each.
+
+    The holders of a name exchange over the pipeline group (or a group of just the holders' pipeline ranks); stages
+    on one rank, as the V schedules place the first and the last, add locally. Discovery is one all-gather of
+    parameter names over the pipeline group, so nothing family-specific is needed.
+    """
+
+    def __init__(self, modules: list[nn.Module], stage_ids: list[int], pp_mesh: DeviceMesh):
+        group = pp_mesh.get_group()
+        global_ranks = pp_mesh.mesh.flatten().tolist()
+        mine = {stage: [name for name, _ in module.named_parameters()] for module, stage in zip(modules, stage_ids, strict=True)}
+        everyone: list[dict[int, list[str]]] = [{} for _ in global_ranks]
+        dist.all_gather_object(everyone, mine, group=group)
+        holders: dict[str, list[tuple[int, int]]] = {}  # name -> (stage, pp rank), by stage
+        for pp_rank, stages in enumerate(everyone):
+            for stage, names in stages.items():
+                for name in names:
+                    holders.setdefault(name, []).append((stage, pp_rank))
+        own = {stage: dict(module.named_parameters()) for module, stage in zip(modules, stage_ids)}
+        self._entries: list[tuple[list[nn.Parameter], dist.ProcessGroup | None, int]] = []
+        self._copies: set[int] = set()  # ids of this rank's parameters that are not the first stage's copy
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for name in sorted(n for n, h in holders.items() if len(h) > 1):
+            held = sorted(holders[name])
+            local = [own[stage][name] for stage, _ in held if stage in own]
+            if not local:
+                continue
+            ranks = tuple(sorted({pp_rank for _, pp_rank in held}))
+            if len(ranks) == 1:
+                shared_group = None
+            elif len(ranks) == len(global_ranks):
+                shared_group = group
+            else:
+                if ranks not in groups:
+                    groups[ranks] = dist.new_group([global_ranks[r] for r in ranks], use_local_synchronization=True)
+                shared_group = groups[ranks]
+            self._entries.append((local, shared_group, global_ranks[held[0][1]]))
+            self._copies |= {id(own[stage][name]) for stage, _ in held[1:] if stage in own}
+
+    @staticmethod
+    def _local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    @torch.no_grad()
+    def sync_values(self) -> None:
+        """Make every copy equal to the first stage's (one broadcast per shared parameter and group)."""
+        for params, group, source in self._entries:
+            values = [self._local(p) for p in params]
+            if group is not None:  # the source rank's first local copy is the first stage's
+                dist.broadcast(values[0], src=source, group=group)
+            for value in values[1:]:
+                value.copy_(values[0])
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """After the step's last backward: every copy's gradient becomes the sum over all copies."""
+        for params, group, _ in self._entries:
+            for param in params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            total = self._local(params[0].grad).clone()
+            for param in params[1:]:
+                total += self._local(param.grad)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for param in params:
+                self._local(param.grad).copy_(total)
+
+    def is_copy(self, param: nn.Parameter) -> bool:
+        """Whether `param` repeats a parameter an earlier stage holds (its gradient is counted there)."""
+        return id(param) in self._copies
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)

@@ -103,6 +103,8 @@ class Curve:
     grad_norms: list[float]
     # Held-out loss after the last step; None unless the run enables validation.
     validation: float | None = None
+    # Per-step auxiliary losses the model reports itself (e.g. mtp_loss), by name.
+    aux: dict[str, list[float]] = field(default_factory=dict)
 
 
 def run_steps(argv: list[str]) -> Curve:
@@ -112,7 +114,8 @@ def run_steps(argv: list[str]) -> Curve:
 
     trainer = Trainer(load_config(argv))
     results = [trainer.train_step() for _ in range(trainer.config.training.steps)]
-    return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate())
+    aux = {name: [r.aux[name] for r in results] for name in (results[0].aux if results else {})}
+    return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate(), aux)
 
 
 def torchrun(module: str, world_size: int, args: list[str]) -> None:
@@ -179,10 +182,12 @@ class Comparison:
     curve: Curve
     max_loss_diff: float
     grad_norm_diff: float
+    # Largest per-step difference of any auxiliary loss (0 when the model reports none).
+    max_aux_diff: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.max_loss_diff <= self.layout.tolerance and self.grad_norm_diff <= self.layout.tolerance
+        return max(self.max_loss_diff, self.grad_norm_diff, self.max_aux_diff) <= self.layout.tolerance
 
 
 def compare(
@@ -199,7 +204,13 @@ def compare(
     for layout in layouts:
         curve = curves[layout.spec]
         loss_diff = max(abs(a - b) for a, b in zip(reference.losses, curve.losses, strict=True))
-        comparisons.append(Comparison(layout, curve, loss_diff, abs(reference.grad_norms[-1] - curve.grad_norms[-1])))
+        aux_diff = max(
+            (abs(a - b) for name, values in reference.aux.items() for a, b in zip(values, curve.aux[name], strict=True)),
+            default=0.0,
+        )
+        comparisons.append(
+            Comparison(layout, curve, loss_diff, abs(reference.grad_norms[-1] - curve.grad_norms[-1]), aux_diff)
+        )
     return reference, comparisons
 
 

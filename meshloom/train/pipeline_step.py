@@ -11,10 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshloom.parallel.compile import build_loss_fn
-from meshloom.parallel.pipeline import PipelinePlan, build_schedule
-from meshloom.parallel.tensor import local_value
+from meshloom.parallel.pipeline import PipelinePlan, SharedStageParameters, build_schedule
 from meshloom.planning.run_plan import RunPlan
-from meshloom.train.loss import cross_entropy_loss
+from meshloom.train.loss import TrainingLoss, cross_entropy_loss
 from meshloom.train.model_setup import build_pipeline_stages
 
 
@@ -24,6 +23,8 @@ class PipelineRunner:
     The schedule calls the loss once per microbatch on the last stage. Each of those losses is divided by the
     number of microbatches times the caller's gradient-accumulation steps, so their gradients add up to the
     gradient of the batch mean, exactly as one process computes it, and the schedule scales nothing itself.
+    A model with auxiliary losses of its own also gets the labels on every stage (only its last stage uses them).
+    Parameters that several stages hold (see SharedStageParameters) start equal and get summed gradients.
     """
 
     def __init__(
@@ -34,7 +35,7 @@ class PipelineRunner:
         pp_mesh: DeviceMesh,
         device: torch.device,
         compute_context: Callable[[], contextlib.AbstractContextManager],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss,
+        loss_fn: TrainingLoss | None = None,
     ):
         self.plan = plan
         self.model = nn.ModuleList(stages)
@@ -45,27 +46,39 @@ class PipelineRunner:
         # Autocast and loss parallel must enclose the schedule's forward and backward passes.
         self.compute_context = compute_context
         self._loss_scale = 1.0
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn or TrainingLoss(cross_entropy_loss, {})
+        # Loss parts by the id of the loss the schedule got: torch also calls the loss on placeholder tensors while
+        # it infers shapes, and only the losses it collects are the batch's.
+        self._parts: dict[int, torch.Tensor] = {}
+        self.shared = SharedStageParameters(stages, stage_ids, pp_mesh)
+        self.shared.sync_values()
         self.schedule = build_schedule(plan, stages, stage_ids, pp_mesh, device, self._loss)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, labels) * self._loss_scale
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        loss, parts = self.loss_fn(output, labels)
+        loss = loss * self._loss_scale
+        self._parts[id(loss)] = parts
+        return loss
 
     def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
-        """Feed one local batch; returns the sum of this call's scaled microbatch losses, on every pipeline rank."""
+        """Feed one local batch; returns the means over its microbatches of the loss parts (`TrainingLoss.names`),
+        on every pipeline rank."""
         args = (inputs.to(self.device),) if self.has_first else ()
         target = labels.to(self.device) if self.has_last else None
         # Every stage's attention needs the document mask (data.document_mask), so every rank passes it.
-        masks = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
+        extra = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
+        if self.loss_fn.aux_weights:
+            extra["labels"] = labels.to(self.device)
         losses: list[torch.Tensor] = []
         with self.compute_context():
-            run(*args, target=target, losses=losses, return_outputs=False, **masks)
-        total = torch.zeros((), device=self.device)
+            run(*args, target=target, losses=losses, return_outputs=False, **extra)
+        parts = torch.zeros(len(self.loss_fn.names), device=self.device)
         for loss in losses:
-            total += local_value(loss.detach()).float()
+            parts += self._parts[id(loss)] / len(losses)
+        self._parts.clear()
         # Only the rank holding the last stage has losses: the sum shares them with the other pipeline ranks.
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
-        return total
+        dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return parts
 
     def train_step(
         self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, accumulation_steps: int
@@ -74,10 +87,18 @@ class PipelineRunner:
         self._loss_scale = 1.0 / (self.plan.microbatches * accumulation_steps)
         return self._run(self.schedule.step, inputs, labels, document_ids)
 
+    def finish_backward(self) -> None:
+        """After the step's last train_step: the stages' copies of a shared parameter get their summed gradient."""
+        self.shared.sum_grads()
+
+    def norm_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the gradient norm counts: each shared one once."""
+        return [p for p in self.model.parameters() if not self.shared.is_copy(p)]
+
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
-        """Mean loss of one local batch, forward only."""
+        """Mean next-token loss of one local batch, forward only."""
         self._loss_scale = 1.0 / self.plan.microbatches
-        return self._run(self.schedule.eval, inputs, labels, document_ids)
+        return self._run(self.schedule.eval, inputs, labels, document_ids)[0]
 
 
 def build_pipeline(
@@ -89,5 +110,6 @@ def build_pipeline(
     stage_ids = plan.pipeline.stages_of(pp_mesh.get_local_rank())
     stages = build_pipeline_stages(plan, device, stage_ids)
     loss_parallel = plan.dims.tp > 1 and plan.config.parallelism.loss_parallel
-    loss_fn = build_loss_fn(plan.config.compile, cross_entropy_loss, loss_parallel=loss_parallel)
+    cross_entropy = build_loss_fn(plan.config.compile, cross_entropy_loss, loss_parallel=loss_parallel)
+    loss_fn = TrainingLoss(cross_entropy, plan.spec.aux_losses(plan.model_args))
     return PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, compute_context, loss_fn)

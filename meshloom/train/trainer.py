@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from meshloom.parallel.tensor import local_value, loss_parallel_context
 from meshloom.planning.run_plan import RunPlan
 from meshloom.train.fault import resume_after_restart
 from meshloom.train.fault_injection import FaultInjector
-from meshloom.train.loss import cross_entropy_loss
+from meshloom.train.loss import TrainingLoss, cross_entropy_loss
 from meshloom.train.lr import build_lr_scheduler
 from meshloom.train.model_setup import build_model
 from meshloom.train.nonfinite import NonFinitePolicy, is_finite
@@ -58,6 +58,7 @@ class StepResult:
     skipped: bool
     sample_ids: list[int]
     rolled_back_from: int | None = None  # nonfinite = rollback: the failed step; training continues from the reloaded one
+    aux: dict[str, float] = field(default_factory=dict)  # the model's own auxiliary losses (ModelSpec.aux_losses), unweighted
 
 
 class Trainer:
@@ -149,7 +150,8 @@ class Trainer:
             self.model_parts = [self.model]
         self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
         self.loss_parallel = self.dims.tp > 1 and self.config.parallelism.loss_parallel
-        self.loss_fn = build_loss_fn(self.config.compile, cross_entropy_loss, self.loss_parallel)
+        cross_entropy = build_loss_fn(self.config.compile, cross_entropy_loss, self.loss_parallel)
+        self.loss_fn = TrainingLoss(cross_entropy, self.plan.spec.aux_losses(self.model_args))
 
     def _build_observers(self) -> None:
         """Throughput and MFU, step-time spread, profiler and metric logging; rank 0 writes the run's config."""
@@ -193,42 +195,54 @@ class Trainer:
         stack.enter_context(loss_parallel_context(self.loss_parallel))
         return stack
 
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # Document ids (data.document_mask) go by keyword, and only when present.
-        masks = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
+    def forward_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to train on, its detached parts in `self.loss_fn.names` order)."""
+        # Document ids (data.document_mask) go by keyword, and only when present; so do the labels, for a model
+        # with auxiliary losses of its own.
+        labels = labels.to(self.device)
+        extra = {} if document_ids is None else {"document_ids": document_ids.to(self.device)}
+        if self.loss_fn.aux_weights:
+            extra["labels"] = labels
         with self._autocast():
-            logits = self.model(inputs.to(self.device), **masks)
-        return self.loss_fn(logits, labels.to(self.device))
+            output = self.model(inputs.to(self.device), **extra)
+        return self.loss_fn(output, labels)
 
     def train_step(self) -> StepResult:
         """One optimizer step over `grad_accum_steps` microbatches."""
         self.model.train()
-        total_loss = torch.zeros((), device=self.device)
+        parts = torch.zeros(len(self.loss_fn.names), device=self.device)  # next-token loss, then auxiliary losses
         sample_ids: list[int] = []
         self.nonfinite.skip_offending_batch(self.step + 1, self.data.train, self.grad_accum_steps)
         for micro in range(self.grad_accum_steps):
             batch = self.shard_batch(self.data.train.next_batch())
             sample_ids += batch.sample_ids.tolist()
             if self.pipeline is not None:
-                total_loss += self.pipeline.train_step(batch.inputs, batch.labels, batch.document_ids, self.grad_accum_steps)
+                parts += self.pipeline.train_step(batch.inputs, batch.labels, batch.document_ids, self.grad_accum_steps)
                 continue
             if self.fsdp:
                 # Reduce gradients once per step, not once per microbatch.
                 self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
             with loss_parallel_context(self.loss_parallel):
-                loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids) / self.grad_accum_steps
-                loss.backward()
-            total_loss += local_value(loss.detach())
+                loss, micro_parts = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
+                (loss / self.grad_accum_steps).backward()
+            parts += micro_parts
+        parts /= self.grad_accum_steps
         self.faults.after_backward(self.model, sample_ids)
         self.faults.before_loss_reduce(self.step + 1)
         if self.dims.is_distributed:
             # Each data-parallel rank saw different samples: report the global mean.
-            dist.all_reduce(total_loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
+            dist.all_reduce(parts, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
 
         pp_mesh = self.dims.mesh("pp") if self.pipeline is not None else None
-        grad_norm_tensor = global_grad_norm(self.model.parameters(), pp_mesh)
+        if self.pipeline is not None:
+            self.pipeline.finish_backward()
+        norm_params = self.pipeline.norm_parameters() if self.pipeline is not None else self.model.parameters()
+        grad_norm_tensor = global_grad_norm(norm_params, pp_mesh)
         grad_norm = float(grad_norm_tensor)
-        loss_value = float(total_loss)
+        loss_value, *aux_values = parts.tolist()
+        aux = dict(zip(self.loss_fn.names[1:], aux_values))
         lr = self.lr_scheduler.get_last_lr()[0]
         self.progress.step += 1
 
@@ -244,7 +258,7 @@ class Trainer:
             sync_float8_scales(self.model, self.config.float8, self.fsdp)
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_value, grad_norm, lr, skipped, sample_ids, failed_step)
+        return StepResult(loss_value, grad_norm, lr, skipped, sample_ids, failed_step, aux)
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -259,7 +273,7 @@ class Trainer:
                 loss = self.pipeline.eval_loss(batch.inputs, batch.labels, batch.document_ids)
             else:
                 with loss_parallel_context(self.loss_parallel):
-                    loss = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
+                    loss, _ = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
             loss = local_value(loss)
             if self.dims.is_distributed:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
@@ -301,6 +315,7 @@ class Trainer:
             if self._should_log():
                 metrics.update(
                     loss=result.loss,
+                    **result.aux,
                     grad_norm=result.grad_norm,
                     lr=result.lr,
                     **self.throughput.report().as_metrics(),

@@ -109,3 +109,78 @@ def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     cos = cos[None, :, None, :]
     sin = sin[None, :, None, :]
     return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).type_as(x)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times: 0.1·mscale·ln(factor) + 1 (1 if factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass
+class YarnScaling:
+    """YaRN RoPE scaling (Peng et al. 2023), as DeepSeek-V2/V3 use it to stretch a context `factor` times.
+
+    Frequencies that turn more than `beta_fast` times over the original context are kept, those turning fewer
+    than `beta_slow` times are divided by `factor`, and a linear ramp over the pair index blends the band in
+    between (its ends rounded outward to whole pairs when `truncate`, as DeepSeek's reference does).
+
+    Attention is sharpened to make up for the stretch, in two places:
+    * `rope_attention_factor` multiplies the cos/sin tables, so the rotated channels of q and k each carry it
+      (`attention_factor` when set, else yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim), or
+      yarn_mscale(factor) when either mscale is 0);
+    * `softmax_scale_factor` multiplies the softmax scale: yarn_mscale(factor, mscale_all_dim)² (1 when
+      mscale_all_dim is 0). DeepSeek-V3 sets mscale = mscale_all_dim = 1, so only this one acts there.
+    """
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"yarn rope_scaling.factor must be > 0, got {self.factor}")
+        if self.original_max_seq_len <= 0:
+            raise ValueError(f"yarn rope_scaling.original_max_seq_len must be > 0, got {self.original_max_seq_len}")
+        if not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(
+                f"yarn rope_scaling needs beta_fast > beta_slow > 0, got beta_fast={self.beta_fast}, beta_slow={self.beta_slow}"
+            )
+
+    @property
+    def rope_attention_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def scale_frequencies(self, freqs: torch.Tensor) -> torch.Tensor:
+        """freqs: theta^(-2i/d) for pairs i = 0 .. d/2 - 1, as `rope_tables` makes them (d and theta are read back)."""
+        pairs = freqs.numel()
+        if pairs < 2:
+            raise ValueError(f"yarn rope scaling needs a rotary dimension of at least 4, got {2 * pairs}")
+        dim = 2 * pairs
+        log_theta = -math.log(float(freqs[1])) * dim / 2
+
+        def correction_dim(rotations: float) -> float:
+            # The (fractional) pair index whose wavelength fits `rotations` times into the original context.
+            return dim * math.log(self.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * log_theta)
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # a ramp of zero width would divide by zero
+        ramp = ((torch.arange(pairs, dtype=freqs.dtype, device=freqs.device) - low) / (high - low)).clamp(0, 1)
+        # ramp = 0 keeps a frequency, ramp = 1 divides it by factor.
+        return freqs / self.factor * ramp + freqs * (1 - ramp)

@@ -1,0 +1,210 @@
+"""The one place where parallelism is applied to DeepSeek-V3, in a fixed order: Float8, TP/SP, CP, AC, compile, FSDP.
+
+Also what the degrees require of the shapes (`check_layout`) and how a pipeline stage is cut (`carve_stage`).
+
+Tensor parallel for MLA. Heads are split: the up-projections (wq or wq_b, wkv_b) are column-parallel and wo is
+row-parallel with a sequence-sharded output, as in every family. The low-rank down-projections run on each rank's
+sequence shard with replicated weights, so no rank repeats another's work: the q latent (q_lora_rank per token)
+is gathered by wq_b, the kv latent with the shared rotary key (kv_lora_rank + qk_rope_head_dim per token) is
+gathered once as wkv_a's output, and kv_norm then runs on the whole latent with replicated weights. Every local
+head reads the one rotary key, so its gradient is a partial sum per rank: `shared_rope_key` all-reduces it.
+Multi-token prediction modules get the blocks' plan; their norms and projection work on the sequence shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshloom.config.errors import ConfigError
+from meshloom.config.schema import Config
+from meshloom.models.deepseek_v3.args import DeepSeekV3Args
+from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3
+from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
+from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
+from meshloom.parallel.dims import ParallelDims, check_divisible
+from meshloom.parallel.float8 import convert_to_float8
+from meshloom.parallel.fsdp import apply_fsdp
+from meshloom.parallel.sequence_shift import ShardedSequenceShift
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_layout(args: DeepSeekV3Args, dims: ParallelDims) -> None:
+    """Every tensor-parallel rank gets whole heads, vocabulary rows and MLP rows; experts split evenly over ep."""
+    sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
+    if args.n_dense_layers:
+        sizes["inter_dim"] = args.inter_dim
+    if args.has_moe and args.n_shared_experts:
+        sizes["moe_inter_dim x n_shared_experts"] = args.moe_inter_dim * args.n_shared_experts
+    check_divisible("tp", dims.tp, sizes)
+    if args.has_moe:
+        check_divisible("ep", dims.ep, {"n_routed_experts": args.n_routed_experts})
+
+
+def check_context_parallel(args: DeepSeekV3Args, layout: SequenceLayout, seq_len: int) -> None:
+    """Multi-token prediction reads labels up to mtp_depth places past a chunk's end, from the next chunk only."""
+    chunk = seq_len // layout.num_chunks
+    if args.mtp_depth > chunk:
+        raise ConfigError(
+            f"multi-token prediction looks {args.mtp_depth} tokens ahead, but context parallel cuts training.seq_len="
+            f"{seq_len} into chunks of {chunk}; use sequences of at least {args.mtp_depth * layout.num_chunks} tokens "
+            "or a smaller parallelism.cp"
+        )
+
+
+def carve_stage(model: DeepSeekV3, layers: Sequence[int], first: bool, last: bool) -> DeepSeekV3:
+    """Keep one stage's blocks, the embedding on the first stage, and the final norm, output and prediction modules on
+    the last; a last stage with prediction modules also keeps a copy of the embedding (their input)."""
+    keep = {str(i) for i in layers}
+    for name in [name for name in model.layers if name not in keep]:
+        del model.layers[name]
+    if not first and not (last and model.mtp is not None):
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+        model.mtp = None
+    return model
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over tp for a module whose local input is the same on every rank; local output."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def to_replicated(mod, inputs, mesh):
+            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
+
+        return distribute_module(module, device_mesh, input_fn=to_replicated, output_fn=lambda mod, out, mesh: out.to_local())
+
+
+class SumGradOverRanks(ParallelStyle):
+    """An identity whose input every rank uses for its own heads: forward unchanged, backward the gradient summed
+    over the tp ranks (what each rank's heads contributed)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def mark(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()]) for t in inputs
+            )
+
+        return distribute_module(module, device_mesh, input_fn=mark)
+
+
+def _block_plan(block: DeepSeekBlock) -> dict[str, ParallelStyle]:
+    attention = block.attention
+    plan: dict[str, ParallelStyle] = {"attention_norm": SequenceParallel()}
+    if attention.wq is not None:
+        plan["attention.wq"] = ColwiseParallel(input_layouts=Shard(1))
+    else:
+        plan["attention.wq_a"] = SequenceParallel()
+        plan["attention.q_norm"] = SequenceParallel()
+        plan["attention.wq_b"] = ColwiseParallel(input_layouts=Shard(1))
+    plan.update({
+        "attention.wkv_a": SequenceParallel(),
+        "attention.kv_norm": ReplicateParallel(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.shared_rope_key": SumGradOverRanks(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    })  # fmt: skip
+    if hasattr(block, "feed_forward"):
+        plan.update({
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })  # fmt: skip
+    else:
+        raise ConfigError("tensor parallel for DeepSeek-V3 mixture-of-experts blocks is not available yet; set parallelism.tp = 1")
+    return plan
+
+
+def apply_tensor_parallel(model: DeepSeekV3, tp_mesh, loss_parallel: bool) -> None:
+    root_plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+        )
+    for name, module in (model.mtp or {}).items():
+        root_plan.update({
+            f"mtp.{name}.embed_norm": SequenceParallel(),
+            f"mtp.{name}.hidden_norm": SequenceParallel(),
+            f"mtp.{name}.proj": SequenceParallel(use_local_output=True),
+            f"mtp.{name}.norm": SequenceParallel(),
+        })  # fmt: skip
+    parallelize_module(model, tp_mesh, root_plan)
+    for block in _blocks(model).values():
+        parallelize_module(block, tp_mesh, _block_plan(block))
+        # The latent leaves wkv_a sequence-sharded and is gathered whole for kv_norm, wkv_b and the rotary key.
+        parallelize_module(
+            block.attention.wkv_a, tp_mesh,
+            PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True),
+        )  # fmt: skip
+
+
+def _blocks(model: DeepSeekV3) -> nn.ModuleDict:
+    """Every transformer block of this (stage of the) model, prediction modules' included, keyed by block index
+    (a prediction module's block counts on from n_layers), as activation checkpointing and compile take them."""
+    blocks = dict(model.layers.items())
+    for name, module in (model.mtp or {}).items():
+        blocks[str(model.args.n_layers + int(name))] = module.block
+    return nn.ModuleDict(blocks)
+
+
+def apply_context_parallel(model: DeepSeekV3, cp_mesh, layout: SequenceLayout, seq_len: int) -> None:
+    """Ring attention in every block, this rank's RoPE positions, and label shifts that cross shards."""
+    check_context_parallel(model.args, layout, seq_len)
+    core = RingAttentionCore(cp_mesh.get_group(), layout)
+    for block in _blocks(model).values():
+        block.attention.core = core
+    model.sequence_shift = ShardedSequenceShift(cp_mesh.get_group(), layout)
+    model.register_forward_pre_hook(positions_hook(layout, cp_mesh.get_local_rank(), seq_len), with_kwargs=True)
+
+
+def parallelize_deepseek_v3(model: DeepSeekV3, dims: ParallelDims, config: Config) -> DeepSeekV3:
+    """Also applied to each pipeline stage (a model with some blocks, the embedding or the output removed)."""
+    par = config.parallelism
+    data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
+    if config.float8.enable:
+        convert_to_float8(model, config.float8, fsdp=data_parallel, tp=dims.tp)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel)
+        if config.compile.async_tp:
+            enable_async_tp()
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.mesh("cp"), SequenceLayout(dims.cp, par.cp_load_balance), config.training.seq_len)
+    blocks = _blocks(model)
+    apply_activation_checkpointing(blocks, config.activation_checkpoint)
+    if config.compile.enable:
+        set_cache_dir(config.compile)
+        apply_compile(blocks, config.activation_checkpoint, fullgraph=dims.cp == 1)
+    if data_parallel:
+        param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
+        apply_fsdp(
+            model,
+            [*model.layers.values(), *(model.mtp or {}).values()],
+            dims.mesh("fsdp"),
+            param_dtype=param_dtype,
+            reduce_dtype=DTYPES[par.fsdp_reduce_dtype],
+            reshard_after_forward=par.fsdp_reshard_after_forward,
+            cpu_offload=par.fsdp_cpu_offload,
+        )
+    return model

@@ -1,0 +1,152 @@
+"""DeepSeek-V3's shape model for the planning estimators: MLA and MoE parameters, activation bytes, FLOPs.
+
+Multi-token-prediction modules live with the output on the last pipeline stage, next to a copy of the embedding
+when that stage is not also the first (`root_params`); their blocks count in FLOPs like the main blocks.
+"""
+
+from __future__ import annotations
+
+from meshloom.models.deepseek_v3.args import DeepSeekV3Args
+from meshloom.models.shape import FP32, ParamShape, ShapeModel
+
+
+class DeepSeekV3Shape(ShapeModel):
+    tie_embeddings = False
+
+    def __init__(self, args: DeepSeekV3Args):
+        self.args = args
+        self.dim, self.vocab_size, self.n_layers = args.dim, args.vocab_size, args.n_layers
+        self.n_experts = args.n_routed_experts if args.has_moe else 0
+        self.top_k = args.n_activated_experts if args.has_moe else 0
+
+    # ------------------------------------------------------------------ parameters
+
+    def _attention_params(self) -> list[ParamShape]:
+        """Following parallelize.py: up-projections column-split (heads), wo row-split; the low-rank
+        down-projections and the latent norms replicated."""
+        a = self.args
+        d, h = a.dim, a.n_heads
+        if a.q_lora_rank:
+            q = [ParamShape((a.q_lora_rank, d)), ParamShape((a.q_lora_rank,)), ParamShape((h * a.qk_head_dim, a.q_lora_rank), 0)]
+        else:
+            q = [ParamShape((h * a.qk_head_dim, d), 0)]
+        return q + [
+            ParamShape((a.kv_lora_rank + a.qk_rope_head_dim, d)),
+            ParamShape((a.kv_lora_rank,)),
+            ParamShape((h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), 0),
+            ParamShape((d, h * a.v_head_dim), 1),
+        ]
+
+    def _mlp_params(self, layer: int) -> list[ParamShape]:
+        a = self.args
+        d = a.dim
+        if not a.is_moe_layer(layer):
+            f = a.inter_dim
+            return [ParamShape((f, d), 0), ParamShape((f, d), 0), ParamShape((d, f), 1)]
+        e, f, shared = a.n_routed_experts, a.moe_inter_dim, a.moe_inter_dim * a.n_shared_experts
+        params = [
+            ParamShape((e, d)),  # router
+            ParamShape((e, f, d), expert=True),
+            ParamShape((e, d, f), expert=True),
+            ParamShape((e, f, d), expert=True),
+        ]
+        if shared:
+            params += [ParamShape((shared, d), 0), ParamShape((d, shared), 1), ParamShape((shared, d), 0)]
+        return params
+
+    def block_params(self, layer: int) -> list[ParamShape]:
+        d = (self.dim,)
+        return [ParamShape(d), *self._attention_params(), ParamShape(d), *self._mlp_params(layer)]
+
+    def mtp_params(self, depth: int) -> list[ParamShape]:
+        """Prediction module `depth` (0-based): two input norms, the projection, a block, the output norm."""
+        d = self.dim
+        return [ParamShape((d,)), ParamShape((d,)), ParamShape((d, 2 * d)), *self.block_params(self.n_layers + depth), ParamShape((d,))]
+
+    def root_params(self, first: bool, last: bool) -> list[ParamShape]:
+        shapes = super().root_params(first, last)
+        if last and self.args.mtp_depth:
+            if not first:  # the last stage's own copy of the embedding
+                shapes.append(ParamShape((self.vocab_size, self.dim), 0))
+            for depth in range(self.args.mtp_depth):
+                shapes += self.mtp_params(depth)
+        return shapes
+
+    # ------------------------------------------------------------------ activations
+
+    def block_activation_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """Bytes one block keeps for backward per token, read off the model code (D = dim, H = heads, qk/V = head
+        sizes, L/Q = kv/q latent ranks, R = rope channels, F = MLP hidden, a = activation bytes).
+
+        Under TP the norms, the down-projections (wq_a, wkv_a) and q_norm see 1/tp of the sequence, the
+        up-projections and attention 1/tp of the heads; the latent (L + R per token) is gathered whole, kv_norm runs
+        on it, and wq_b gathers its input (Q per token; the block input D when there is no q latent).
+          each RMSNorm: fp32 input copy and normalised tensor ((4 + a)·width), and its output kept by the next matmul;
+          attention: SDPA keeps q, k, the up-projected keys and values (the value heads are a view of it) and its
+          output ([a·H·(2·qk + nope + 2V)] / tp) plus the fp32 log-sum-exp; RoPE keeps nothing (its tables are buffers);
+          MLP: dense SwiGLU 4aF/tp; MoE: each token's top_k expert inputs and SwiGLU tensors, the shared experts'
+          SwiGLU and the fp32 router scores.
+        """
+        x = self.args
+        d, h, a = x.dim, x.n_heads, act_bytes
+        q_lat, kv_lat, rope = x.q_lora_rank, x.kv_lora_rank, x.qk_rope_head_dim
+        block_input = a * d / tp
+        if ac == "full":
+            return block_input
+        moe = x.is_moe_layer(layer)
+        if ac == "selective_op":
+            # Kept: every matmul output and attention's; norms, RoPE, SwiGLU and the gathers are recomputed. Under TP
+            # the row-parallel matmuls (wo, w2) produce full-size partial sums before the reduce-scatter, also kept.
+            q_mm = (q_lat + h * x.qk_head_dim) if q_lat else h * x.qk_head_dim
+            attention_mm = q_mm + kv_lat + rope + h * (x.qk_nope_head_dim + x.v_head_dim)
+            mlp_mm = 2 * self._mlp_width(layer) if not moe else self._moe_matmul_width()
+            matmuls = a * (attention_mm + mlp_mm) / tp + 2 * a * d * (1 if tp == 1 else 1 + 1 / tp)
+            attention = a * h * x.v_head_dim / tp + FP32 * h / tp
+            return block_input + matmuls + attention
+        assert ac == "none", ac
+        norm = lambda width, shard: (FP32 + a) * width / shard  # noqa: E731
+        attention_in = a * d / tp if q_lat else a * d  # what the first matmuls keep of the norm output
+        norms = norm(d, tp) + attention_in + norm(d, tp) + a * d  # attention_norm, ffn_norm (+ gathered MLP input)
+        q_side = (norm(q_lat, tp) + a * q_lat / tp + a * q_lat) if q_lat else 0.0  # wq_a out, q_norm, gathered input
+        kv_side = a * (kv_lat + rope) + norm(kv_lat, 1) + a * kv_lat  # gathered latent, kv_norm, wkv_b's input
+        heads = a * h * (2 * x.qk_head_dim + x.qk_nope_head_dim + 2 * x.v_head_dim) + FP32 * h
+        mlp = 4 * a * self._mlp_width(layer) / tp if not moe else self._moe_activation_bytes(a, tp)
+        return norms + q_side + kv_side + heads / tp + mlp
+
+    def _mlp_width(self, layer: int) -> int:
+        return self.args.inter_dim
+
+    def _moe_matmul_width(self) -> float:
+        x = self.args
+        return x.n_routed_experts + 3 * x.n_activated_experts * x.moe_inter_dim + 2 * x.moe_inter_dim * x.n_shared_experts
+
+    def _moe_activation_bytes(self, a: int, tp: int) -> float:
+        x = self.args
+        routed = x.n_activated_experts * (a * x.dim + 4 * a * x.moe_inter_dim)
+        shared = 4 * a * x.moe_inter_dim * x.n_shared_experts / tp
+        return routed + shared + FP32 * 2 * x.n_routed_experts
+
+    # ------------------------------------------------------------------ FLOPs and context parallel
+
+    @property
+    def _all_blocks(self) -> int:
+        return self.n_layers + self.args.mtp_depth
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        # q.k over the qk head size and p.v over the value head size, 2 FLOPs per multiply-add, forward + backward (x3).
+        x = self.args
+        return 6.0 * self._all_blocks * x.n_heads * (x.qk_head_dim + x.v_head_dim) * seq_len
+
+    def matmul_params_per_token(self) -> float:
+        """The main model's, plus each prediction module's projection, block and another pass through the head."""
+        extra = sum(self.active_numel(self.mtp_params(k)) + self.vocab_size * self.dim for k in range(self.args.mtp_depth))
+        return super().matmul_params_per_token() + extra
+
+    def recompute_flops_per_token(self, seq_len: int) -> float:
+        mtp_blocks = sum(self.active_numel(self.block_params(self.n_layers + k)) for k in range(self.args.mtp_depth))
+        return super().recompute_flops_per_token(seq_len) + 2.0 * mtp_blocks
+
+    def cp_elements_per_token(self, layer: int) -> float:
+        # Ring attention passes the expanded keys and values of every head, not the latent.
+        x = self.args
+        return float(x.n_heads * (x.qk_head_dim + x.v_head_dim))
