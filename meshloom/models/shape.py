@@ -64,6 +64,11 @@ class ShapeModel(ABC):
 
     # ------------------------------------------------------------------ generic, overridable
 
+    def last_stage_extra_activation_bytes_per_token(self, ac: str, tp: int, act_bytes: int, loss_parallel: bool) -> float:
+        """Bytes per token the last pipeline stage keeps for backward beyond its blocks, the final norm and the
+        next-token logits (training-only heads such as multi-token prediction); none by default."""
+        return 0.0
+
     def root_params(self, first: bool, last: bool) -> list[ParamShape]:
         """The embedding on the first pipeline stage; the final norm and the output projection on the last (a
         tied output is the embedding, and lives where the embedding does)."""

@@ -147,10 +147,11 @@ def recompute_peak_bytes_per_token(shape: ShapeModel, layer: int, ac: str, tp: i
 
 
 def root_activation_bytes_per_token(
-    shape: ShapeModel, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True
-) -> float:
-    """The embedding's indices on the first stage; the final norm and the fp32 log-softmax on the last
-    (`first`/`last` = False leaves that end out)."""
+    shape: ShapeModel, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True,
+    ac: str = "none",
+) -> float:  # fmt: skip
+    """The embedding's indices on the first stage; the final norm and the fp32 log-softmax on the last, and whatever
+    else the family keeps there (`first`/`last` = False leaves that end out)."""
     total = 0.0
     if stage.first and first:
         total += 8  # int64 token ids kept by the embedding's backward
@@ -158,6 +159,7 @@ def root_activation_bytes_per_token(
         d, a = shape.dim, act_bytes
         vocab = shape.vocab_size / tp if (tp > 1 and loss_parallel) else shape.vocab_size
         total += (FP32 * d + a * d) / tp + a * d + FP32 * vocab
+        total += shape.last_stage_extra_activation_bytes_per_token(ac, tp, act_bytes, loss_parallel)
     return total
 
 
@@ -217,7 +219,7 @@ def estimate_memory(
         per_layer = [
             shape.block_activation_bytes_per_token(layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)
         ]
-        per_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel) + held_output
+        per_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, ac=layout.ac) + held_output
         saved = stage.inflight * tokens * (sum(per_layer) + per_root)
         # Backward of a checkpointed block j in one microbatch: that microbatch's loss-side activations and
         # the blocks after j are freed by then, j's recomputed activations live (largest for the last such j).

@@ -99,7 +99,7 @@ class DeepSeekV3Shape(ShapeModel):
             # the row-parallel matmuls (wo, w2) produce full-size partial sums before the reduce-scatter, also kept.
             q_mm = (q_lat + h * x.qk_head_dim) if q_lat else h * x.qk_head_dim
             attention_mm = q_mm + kv_lat + rope + h * (x.qk_nope_head_dim + x.v_head_dim)
-            mlp_mm = 2 * self._mlp_width(layer) if not moe else self._moe_matmul_width()
+            mlp_mm = 2 * x.inter_dim if not moe else self._moe_matmul_width()
             matmuls = a * (attention_mm + mlp_mm) / tp + 2 * a * d * (1 if tp == 1 else 1 + 1 / tp)
             attention = a * h * x.v_head_dim / tp + FP32 * h / tp
             return block_input + matmuls + attention
@@ -110,11 +110,8 @@ class DeepSeekV3Shape(ShapeModel):
         q_side = (norm(q_lat, tp) + a * q_lat / tp + a * q_lat) if q_lat else 0.0  # wq_a out, q_norm, gathered input
         kv_side = a * (kv_lat + rope) + norm(kv_lat, 1) + a * kv_lat  # gathered latent, kv_norm, wkv_b's input
         heads = a * h * (2 * x.qk_head_dim + x.qk_nope_head_dim + 2 * x.v_head_dim) + FP32 * h
-        mlp = 4 * a * self._mlp_width(layer) / tp if not moe else self._moe_activation_bytes(a, tp)
+        mlp = 4 * a * x.inter_dim / tp if not moe else self._moe_activation_bytes(a, tp)
         return norms + q_side + kv_side + heads / tp + mlp
-
-    def _mlp_width(self, layer: int) -> int:
-        return self.args.inter_dim
 
     def _moe_matmul_width(self) -> float:
         x = self.args
@@ -125,6 +122,19 @@ class DeepSeekV3Shape(ShapeModel):
         routed = x.n_activated_experts * (a * x.dim + 4 * a * x.moe_inter_dim)
         shared = 4 * a * x.moe_inter_dim * x.n_shared_experts / tp
         return routed + shared + FP32 * 2 * x.n_routed_experts
+
+    def last_stage_extra_activation_bytes_per_token(self, ac: str, tp: int, act_bytes: int, loss_parallel: bool) -> float:
+        """Each prediction depth keeps its two input norms and their concatenation (on the sequence shard), its block
+        (checkpointed like the main blocks under full or selective_op, else whole), its output norm and the fp32
+        log-softmax of its logits (the logits themselves are freed once the loss is taken)."""
+        d, a = self.dim, act_bytes
+        vocab = self.vocab_size / tp if (tp > 1 and loss_parallel) else self.vocab_size
+        mode = ac if ac in ("full", "selective_op") else "none"
+        per_depth = 2 * (FP32 + a) * d / tp + 2 * a * d / tp + (FP32 + a) * d / tp + a * d + FP32 * vocab
+        return sum(
+            per_depth + self.block_activation_bytes_per_token(self.n_layers + k, mode, tp, act_bytes)
+            for k in range(self.args.mtp_depth)
+        )
 
     # ------------------------------------------------------------------ FLOPs and context parallel
 
