@@ -175,6 +175,28 @@ def test_mtp_runs_only_in_training_with_labels():
     assert SPEC.aux_losses(tiny()) == {"mtp_loss": 0.3} and SPEC.aux_losses(tiny(mtp_depth=0)) == {}
 
 
+def test_kv_cache_decoding_equals_the_full_forward():
+    from meshloom.inference.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    model = DeepSeekV3(tiny()).eval()
+    tokens = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        full = model(tokens)
+        with KVCache(model, [0, 0], max_len=12) as cache:
+            prefill = model(tokens[:, :8], positions=cache.positions(8))
+            cache.advance(8)
+            steps = []
+            for t in range(8, 12):
+                steps.append(model(tokens[:, t : t + 1], positions=cache.positions(1)))
+                cache.advance(1)
+            # MLA caches the latent and the shared rotary key, not every head's keys and values.
+            layer_cache = model.layers["0"].attention.kv_cache
+            assert [tuple(b.shape) for b in layer_cache.buffers] == [(2, 1, 12, 32), (2, 1, 12, 8)]
+    assert (prefill - full[:, :8]).abs().max() < 1e-5
+    assert (torch.cat(steps, dim=1) - full[:, 8:]).abs().max() < 1e-5
+
+
 def test_training_run_logs_mtp_loss_and_learns(tiny_args):
     from meshloom.train.trainer import Trainer
 

@@ -16,6 +16,11 @@ counts are read off tensor shapes, so column-sharded up-projections (tensor para
 heads. Two attributes may be replaced from outside: `core` (the attention kernel; context parallel puts a ring
 there) and `shared_rope_key`, an identity every head's rotated key passes through, where tensor parallel sums
 that shared tensor's gradient over the ranks' heads.
+
+Inference: `kv_cache` (None while training; see meshloom.inference.kv_cache) stores what MLA needs per token, the
+normalised latent and the rotated shared key (kv_lora_rank + qk_rope_head_dim values, not every head's keys and
+values), and the keys and values of all cached tokens are projected up from it at each step. RoPE tables may then
+carry a batch dimension ([b, s, rope / 2], per-sequence positions).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from meshloom.models.common.attention import RopeFn, causal_attention
+from meshloom.models.common.attention import RopeFn, causal_attention, masked_attention, rotate
 from meshloom.models.common.init import trunc_normal_
 from meshloom.models.common.norm import RMSNorm
 from meshloom.models.common.rope import apply_rope
@@ -73,6 +78,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.shared_rope_key = nn.Identity()
         # Swappable from outside (context parallel puts a ring over the sequence shards here).
         self.core = causal_attention
+        # Set only while generating (meshloom.inference.kv_cache.KVCache installs and removes it).
+        self.kv_cache = None
         # The core scales by 1/sqrt(qk head dim); a different softmax scale is folded into q instead, so that
         # every core (SDPA, the context-parallel ring) keeps its plain signature.
         scale = self.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
@@ -86,19 +93,24 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.unflatten(-1, (-1, self.qk_head_dim))  # [b, s, heads, qk]
         s = q.shape[1]
-        cos, sin = cos[:s], sin[:s]
+        if cos.dim() == 2:  # per-sequence tables ([b, s, d], generation) already have the right length
+            cos, sin = cos[:s], sin[:s]
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat((q_nope, rotate(self.rope, q_rope, cos, sin)), dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).unflatten(-1, (-1, self.qk_nope_head_dim + self.v_head_dim))
+        latent = self.kv_norm(latent)
+        k_rope = self.shared_rope_key(rotate(self.rope, k_rope.unsqueeze(2), cos, sin))  # [b, s, 1, rope]
+        mask = None
+        if self.kv_cache is not None:  # every cached token's latent and rotated key: [b, 1, tokens, ...]
+            latent, k_rope, mask = self.kv_cache.update(latent.unsqueeze(1), k_rope.transpose(1, 2))
+            latent, k_rope = latent.squeeze(1), k_rope.transpose(1, 2)
+        kv = self.wkv_b(latent).unflatten(-1, (-1, self.qk_nope_head_dim + self.v_head_dim))
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-
-        q = torch.cat((q_nope, self.rope(q_rope, cos, sin)), dim=-1)
-        k_rope = self.shared_rope_key(self.rope(k_rope.unsqueeze(2), cos, sin))  # [b, s, 1, rope]
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
-        out = self.core(q, k, v, document_ids)
+        out = self.core(q, k, v, document_ids) if mask is None else masked_attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).flatten(2))
 
     def init_weights(self, std: float, out_std: float) -> None:

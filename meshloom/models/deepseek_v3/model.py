@@ -184,7 +184,8 @@ class DeepSeekV3(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [b, s] (or the hidden states [b, s, dim] a previous pipeline stage returns); document_ids [b, s]
-        and positions [s] as in every family; labels [b, s]: the next-token targets, for multi-token prediction.
+        and positions [s] (or [b, s] when generating with a KV cache) as in every family; labels [b, s]: the
+        next-token targets, for multi-token prediction.
 
         Returns float32 logits [b, s, vocab] (hidden states on a stage without the output), or in training mode
         with labels and prediction modules, (logits, mtp_loss).
