@@ -356,7 +356,9 @@ def test_layout_mistakes_are_named_config_errors():
 
 
 @pytest.mark.skipif(MOE_AVAILABLE, reason="only while the shared MoE layer is missing")
-def test_moe_flavours_say_what_they_need():
+def test_moe_flavours_say_what_they_need_before_anything_is_built():
+    with pytest.raises(ConfigError, match="need the shared MoE layer"):
+        RunPlan.build(load_config(["--model.name", "deepseek_v3", "--model.flavor", "debug"]), 1)
     with pytest.raises(ValueError, match="need the shared MoE layer"):
         DeepSeekV3(get_model_args("deepseek_v3", "debug"))
 

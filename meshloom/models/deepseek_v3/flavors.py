@@ -13,9 +13,10 @@ the file named beside it:
   beta_fast 32, beta_slow 1, mscale 1.0, mscale_all_dim 1.0), max_position_embeddings 163840,
   num_nextn_predict_layers 1. The multi-token-prediction weight 0.3 is the report's value for its first 10T tokens.
 
-Parameter counts (meta-built, tests/test_deepseek_v3.py): 671B without its prediction module 671.0B, of which 37.5B
-active per token (DeepSeek: 671B and 36.6B, the latter without the embedding table); its one prediction module adds
-11.7B here (DeepSeek's README_WEIGHTS.md counts 14B with copies of the embedding and the output head, 11.5B unique).
+Parameter counts (shape model, tests/test_deepseek_v3.py): 671B holds 671.03B without its prediction module and
+multiplies 36.63B per token besides the embedding lookup (DeepSeek: 671B, 36.6B "including 0.9B for the output
+head"); its prediction module adds 11.61B (DeepSeek-V3's README_WEIGHTS.md: 11.5B unique, 14B counting its copies of
+the embedding and the head, which are shared here). 16B: 15.71B, 2.45B per token (DeepSeek-V2-Lite: 15.7B, 2.4B).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ one that takes the labels past a shard's end from the rank holding them.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -48,13 +49,20 @@ def shift_left(tokens: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return torch.cat((tokens[:, k:], tokens.new_full((tokens.shape[0], k), fill)), dim=1)
 
 
+def check_moe_available(args: DeepSeekV3Args) -> None:
+    """Raise ValueError when some block is a mixture of experts but the shared MoE layer is missing."""
+    if args.has_moe and importlib.util.find_spec("meshloom.models.common.moe") is None:
+        raise ValueError(
+            "DeepSeek-V3 mixture-of-experts blocks need the shared MoE layer (meshloom.models.common.moe), which this "
+            f"checkout does not have; use a flavour whose blocks are all dense (n_dense_layers={args.n_dense_layers}: "
+            f"set model.n_layers <= {args.n_dense_layers})"
+        )
+
+
 def build_moe(args: DeepSeekV3Args) -> nn.Module:
     """The shared mixture-of-experts layer, configured for DeepSeek-V3's routing."""
-    raise ValueError(
-        "DeepSeek-V3 mixture-of-experts blocks need the shared MoE layer (meshloom.models.common.moe), which this "
-        f"checkout does not have; use a flavour whose blocks are all dense (n_dense_layers={args.n_dense_layers}: "
-        f"set model.n_layers <= {args.n_dense_layers})"
-    )
+    check_moe_available(args)
+    raise NotImplementedError("the shared MoE layer's constructor is wired in with the layer itself")
 
 
 def feed_forward_for(args: DeepSeekV3Args, layer: int) -> nn.Module:

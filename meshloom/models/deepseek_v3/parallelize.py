@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
-from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3
+from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3, check_moe_available
 from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
@@ -52,7 +52,16 @@ def check_layout(args: DeepSeekV3Args, dims: ParallelDims) -> None:
         sizes["moe_inter_dim x n_shared_experts"] = args.moe_inter_dim * args.n_shared_experts
     check_divisible("tp", dims.tp, sizes)
     if args.has_moe:
+        try:
+            check_moe_available(args)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         check_divisible("ep", dims.ep, {"n_routed_experts": args.n_routed_experts})
+        if dims.tp > 1:
+            raise ConfigError(
+                "tensor parallel does not yet split DeepSeek-V3's mixture-of-experts blocks; set parallelism.tp = 1 "
+                "(FSDP and pipeline stages shard them) or use an all-dense shape"
+            )
 
 
 def check_context_parallel(args: DeepSeekV3Args, layout: SequenceLayout, seq_len: int) -> None:
@@ -128,8 +137,6 @@ def _block_plan(block: DeepSeekBlock) -> dict[str, ParallelStyle]:
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })  # fmt: skip
-    else:
-        raise ConfigError("tensor parallel for DeepSeek-V3 mixture-of-experts blocks is not available yet; set parallelism.tp = 1")
     return plan
 
 
