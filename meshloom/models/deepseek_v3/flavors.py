@@ -4,7 +4,7 @@
 the file named beside it:
 
 * 16B: deepseek-ai/DeepSeek-V3 (GitHub), inference/configs/config_16B.json; what that file leaves out takes the
-  defaults of `ModelArgs` in inference/model.py of the same repository (2 x 1 expert groups, softmax scores without
+  defaults of `ModelArgs` in inference/model.py of the same repository (one expert group, softmax scores without
   renormalisation, RoPE theta 10000, YaRN factor 40 over an original 4096 tokens with beta 32/1, max_seq_len 16384).
   Its `mscale` 0.707 sharpens the softmax by yarn_mscale(40, 0.707)² there, which is mscale = mscale_all_dim = 0.707
   in Hugging Face's terms. The release has no multi-token prediction.
