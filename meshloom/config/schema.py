@@ -25,7 +25,8 @@ class ModelConfig:
     """Model family in the registry (`meshloom train --help` lists the built-in ones under model.flavor)."""
 
     flavor: str = "debug"
-    """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B; deepseek_v3: tiny, debug, 16B, 671B)."""
+    """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B; deepseek_v3: tiny, debug, 16B, 671B;
+    qwen3: tiny, tiny_moe, debug, debug_moe, 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B)."""
 
     plugin: str = ""
     """A Python module to import before the family is looked up, so that it can register families of its own with
@@ -376,6 +377,26 @@ class Float8Config:
 
 
 @dataclass
+class MoEConfig:
+    """Training settings of mixture-of-experts layers (ignored by dense models)."""
+
+    bias_update_rate: float = 0.001
+    """Aux-loss-free balancing: after each optimizer step every MoE layer's per-expert routing bias moves by this much,
+    up for experts that got fewer tokens than the mean over the global batch, down for more (DeepSeek-V3: 0.001);
+    0 = no balancing bias."""
+
+    aux_loss_coef: float = 0.0
+    """Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3's, e.g. 1e-4); 0 = off."""
+
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (mean squared log-sum-exp of the router logits, e.g. 1e-3); 0 = off."""
+
+    grouped_mm: Literal["auto", "on", "off"] = "auto"
+    """Routed experts: on = one torch._grouped_mm per weight, off = a loop over experts, auto = grouped where the
+    device and dtype allow it (CPU fp32/bf16, CUDA bf16 on sm90+)."""
+
+
+@dataclass
 class ProfilingConfig:
     enable: bool = False
     """Write torch.profiler traces of the steps below (open in Perfetto or TensorBoard) to
@@ -458,6 +479,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     float8: Float8Config = field(default_factory=Float8Config)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)

@@ -72,6 +72,9 @@ def validate(config: Config) -> None:
     ck = config.checkpoint
     _require(ck.interval > 0, f"checkpoint.interval must be positive, got {ck.interval}")
     _require(ck.keep_last_k >= 0, f"checkpoint.keep_last_k must be >= 0 (0 keeps all), got {ck.keep_last_k}")
+    moe = config.moe
+    for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
+        _require(getattr(moe, name) >= 0, f"moe.{name} must be >= 0 (0 = off), got {getattr(moe, name)}")
     if par.cp > 1:
         _check_context_parallel(config)
 

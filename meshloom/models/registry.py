@@ -80,9 +80,9 @@ def import_plugin(module: str) -> None:
 
 
 def _register_builtin_families() -> None:
-    from meshloom.models import deepseek_v3, llama3
+    from meshloom.models import deepseek_v3, llama3, qwen3
 
-    for spec in (llama3.SPEC, deepseek_v3.SPEC):
+    for spec in (llama3.SPEC, deepseek_v3.SPEC, qwen3.SPEC):
         register_model(spec)
 
 

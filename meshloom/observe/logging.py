@@ -13,7 +13,8 @@ from typing import Any
 from tqdm import tqdm
 
 # Console formatting of the standard keys, in display order: key -> (label, format).
-# Any other key (e.g. "val_loss") is appended after these, in the order given.
+# Any other key (e.g. "val_loss") is appended after these, in the order given, except keys with a "/" (per-layer
+# detail such as "moe/layers.3/entropy"), which go to TensorBoard, metrics.jsonl and W&B only.
 _CONSOLE_FORMATS: dict[str, tuple[str, str]] = {
     "loss": ("loss", "{:.4f}"),
     "grad_norm": ("grad_norm", "{:.3g}"),
@@ -32,7 +33,7 @@ def format_metrics_line(step: int, metrics: dict[str, float]) -> str:
         if key in metrics:
             parts.append(f"{label} {fmt.format(metrics[key])}")
     for key, value in metrics.items():
-        if key not in _CONSOLE_FORMATS:
+        if key not in _CONSOLE_FORMATS and "/" not in key:
             # Losses read best with fixed decimals; other extras are of unknown scale.
             fmt = "{:.4f}" if key.endswith("loss") else "{:.4g}"
             parts.append(f"{key} {fmt.format(value)}")

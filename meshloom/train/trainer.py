@@ -43,6 +43,7 @@ from meshloom.train.fault_injection import FaultInjector
 from meshloom.train.loss import TrainingLoss, cross_entropy_loss
 from meshloom.train.lr import build_lr_scheduler
 from meshloom.train.model_setup import build_model
+from meshloom.train.moe_balance import MoEBalancer
 from meshloom.train.nonfinite import NonFinitePolicy, is_finite
 from meshloom.train.optim import OptimizerGroup, build_optimizer
 from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
@@ -80,6 +81,7 @@ class Trainer:
         seed_everything(config.training.seed, config.training.deterministic)
         self.data = self._build_data()
         self._build_model()
+        self.moe = MoEBalancer(self.model_parts, self.plan, self.device)
         self.optimizers = [build_optimizer(part, config.optimizer, self.device, self.plan.spec.adamw_only) for part in self.model_parts]
         # One optimizer per pipeline stage, so a checkpoint pairs each stage with its own optimizer state.
         self.optimizer = self.optimizers[0] if self.pipeline is None else OptimizerGroup(self.optimizers)
@@ -257,6 +259,7 @@ class Trainer:
             self.optimizer.step()
             sync_float8_scales(self.model, self.config.float8, self.fsdp)
             self.lr_scheduler.step()
+        self.moe.after_step(updated=not skipped)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_value, grad_norm, lr, skipped, sample_ids, failed_step, aux)
 
@@ -321,6 +324,7 @@ class Trainer:
                     **self.throughput.report().as_metrics(),
                     memory_gib=peak_memory_bytes(self.device) / 2**30,
                     **self.step_times.report(),
+                    **self.moe.metrics(),
                 )
                 if result.skipped:
                     metrics["skipped_step"] = 1.0
