@@ -244,3 +244,21 @@ def test_multi_rank_parity_dense_and_moe(tmp_path, data_cache):
         print(f"parity {spec}: max |dloss| {loss_diff:.2e}, |dgrad_norm| {norm_diff:.2e}")
         assert loss_diff <= FP32_TOLERANCE and norm_diff <= FP32_TOLERANCE, (spec, reference.losses, curves[spec].losses)
     assert references["tiny_moe"].losses[-1] < references["tiny_moe"].losses[0] - 0.3
+
+
+def test_tensor_parallel_keeps_a_tied_output_tied():
+    """Each TP style replaces its own weight; parallelize ties the output to the sharded embedding again (meta
+    model, one rank of two in torch's fake process group)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plan = RunPlan.build(load_config(["--model.name", "qwen3", "--model.flavor", "debug", "--parallelism.tp", "2"]), 2)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        plan.dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = SPEC.parallelize(SPEC.model_cls(plan.model_args), plan.dims, plan.config)
+    finally:
+        dist.destroy_process_group()
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.to_local().shape == (1024, 256)
