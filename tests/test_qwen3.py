@@ -17,6 +17,7 @@ from meshloom.checkpoint.hf import HFFolder, write_hf_folder
 from meshloom.checkpoint.offline import read_model_weights
 from meshloom.config.errors import ConfigError
 from meshloom.config.loader import load_config
+from meshloom.inference.generate import generate
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.planning.dry_run import dry_run
 from meshloom.planning.run_plan import RunPlan
@@ -128,6 +129,20 @@ def test_hf_logits_export_and_round_trip(tmp_path: Path, moe: bool, tie: bool, n
     assert config_out["model_type"] == ("qwen3_moe" if moe else "qwen3")
 
 
+def test_greedy_generation_with_the_kv_cache_matches_transformers(tmp_path: Path):
+    theirs = hf_qwen3(tmp_path, moe=True, tie=False)
+    ours = meshloom.from_hf(tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 2, 11)]
+    batched = generate(ours, prompts, 12)  # left-padded batch, per-sequence RoPE positions
+    for prompt, tokens in zip(prompts, batched.tokens, strict=True):
+        expected = theirs.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=12,
+            do_sample=False, pad_token_id=0,
+        )[0, len(prompt):].tolist()  # fmt: skip
+        assert tokens == expected
+
+
 def test_export_with_a_balancing_bias_is_refused(tmp_path: Path):
     hf_qwen3(tmp_path / "hf", moe=True, tie=False)
     model = meshloom.from_hf(tmp_path / "hf")
@@ -165,6 +180,23 @@ def test_layouts_the_shapes_forbid_are_config_errors(tmp_path, flavor, world, se
     config = load_config(["--model.name", "qwen3", "--model.flavor", flavor, "--job.dump_folder", str(tmp_path), *settings])
     with pytest.raises(ConfigError, match=message):
         RunPlan.build(config, world)
+
+
+@pytest.mark.parametrize(
+    ("world", "settings", "message"),
+    [
+        (2, ["--parallelism.cp", "2", "--moe.aux_loss_coef", "1e-3"], "the sequence-wise balance loss needs whole sequences"),
+        (1, ["--compile.enable", "true", "--moe.grouped_mm", "off"], "fullgraph blocks cannot trace"),
+        (1, ["--checkpoint.hf_export_interval", "10"], "Hugging Face Qwen3-MoE has no place for the balancing bias"),
+    ],
+)
+def test_moe_settings_the_layout_cannot_honour_are_config_errors(tmp_path, world, settings, message):
+    config = load_config(["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--job.dump_folder", str(tmp_path), *settings])
+    plan = RunPlan.build(config, world)
+    with torch.device("meta"):
+        model = SPEC.model_cls(plan.model_args)
+    with pytest.raises(ConfigError, match=message):
+        SPEC.parallelize(model, plan.dims, plan.config)
 
 
 def test_dry_run_235b_a22b_on_256_ranks():

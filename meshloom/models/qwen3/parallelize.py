@@ -152,6 +152,12 @@ def _check_moe_settings(model: Qwen3, dims: ParallelDims, config: Config) -> Non
             "moe.aux_loss_coef > 0 with parallelism.cp > 1: the sequence-wise balance loss needs whole sequences, "
             "which context parallel splits; set moe.aux_loss_coef = 0 or parallelism.cp = 1"
         )
+    if config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
+        raise ConfigError(
+            "checkpoint.hf_export_interval with moe.bias_update_rate > 0: Hugging Face Qwen3-MoE has no place for the "
+            "balancing bias, so the exports would route tokens differently; set moe.bias_update_rate = 0 (balance with "
+            "moe.aux_loss_coef instead) or checkpoint.hf_export_interval = 0"
+        )
     if config.compile.enable and config.moe.grouped_mm == "off":
         raise ConfigError(
             "moe.grouped_mm = 'off' loops over experts with data-dependent sizes, which compile.enable's fullgraph "

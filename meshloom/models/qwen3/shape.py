@@ -91,8 +91,3 @@ class Qwen3Shape(ShapeModel):
 
     def cp_elements_per_token(self, layer: int) -> float:
         return 2.0 * self.args.n_kv_heads * self.args.head_dim
-
-    def active_params(self) -> float:
-        """Parameters one token uses: top_k of every expert stack, everything else whole (embedding included)."""
-        blocks = sum(self.active_numel(self.block_params(layer)) for layer in range(self.n_layers))
-        return blocks + sum(p.numel for p in self.root_params(first=True, last=True))
