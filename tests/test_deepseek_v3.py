@@ -1,36 +1,30 @@
-"""DeepSeek-V3: MLA against a naive reference, YaRN against transformers, multi-token prediction against a hand-written
-loss, Hugging Face import/export, parameter counts, layout errors, a training run, and loss parity of FSDP, TP, PP
-(1F1B and ZBVZeroBubble) and CP against one process (fp32, 10 steps, MTP on)."""
+"""DeepSeek-V3 on one process: MLA against a naive reference, YaRN against transformers, multi-token prediction
+against a hand-written loss, DeepSeek routing, Hugging Face import/export of MoE models (logits against
+transformers, bit-exact round trips), parameter counts, every shape and layout error by message, and a training run.
+Multi-rank parity and the dry runs are in tests/test_deepseek_v3_parallel.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import meshloom
-from meshloom.checkpoint.hf import write_hf_folder
 from meshloom.config.loader import ConfigError, load_config
 from meshloom.models.common.mla import MultiHeadLatentAttention
+from meshloom.models.common.moe import MoE
 from meshloom.models.common.rope import YarnScaling, rope_tables
 from meshloom.models.deepseek_v3 import hf as deepseek_hf
-from meshloom.models.deepseek_v3.model import DeepSeekV3
+from meshloom.models.deepseek_v3.model import DeepSeekV3, build_moe
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.parallel.dims import ParallelDims
-from meshloom.planning.dry_run import dry_run
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.parity import FP32_TOLERANCE, compare
 
 SPEC = get_model_spec("deepseek_v3")
-MOE_AVAILABLE = importlib.util.find_spec("meshloom.models.common.moe") is not None
-needs_moe = pytest.mark.skipif(not MOE_AVAILABLE, reason="MoE blocks need meshloom.models.common.moe")
 
 
 def tiny(**changes) -> object:
@@ -206,6 +200,13 @@ def test_training_run_logs_mtp_loss_and_learns(tiny_args):
     mtp = [row["mtp_loss"] for row in rows if "loss" in row]
     assert len(mtp) == 12 and all(math.isfinite(v) for v in mtp)
     assert losses[-1] < losses[0] - 0.1 and mtp[-1] < mtp[0] - 0.1
+    # Routing metrics of every MoE layer, the prediction modules' included; the balancing bias moved (12 steps of
+    # -0.001, 0 or +0.001 each).
+    last = rows[-1]
+    assert 1.0 <= last["moe_load_max"] <= 4.0 and 0 < last["moe_entropy"] <= math.log(8)
+    assert last["moe/layers.1/bias_spread"] > 0 and "moe/mtp.1.block/load_max_mean" in last
+    bias = trainer.model.layers["1"].moe.expert_bias
+    assert torch.allclose(bias / 0.001, (bias / 0.001).round(), atol=1e-3) and 0 < bias.abs().max() <= 0.012 + 1e-6
 
 
 def test_training_loss_adds_weighted_aux_losses_and_reports_them_apart():
@@ -224,196 +225,165 @@ def test_training_loss_adds_weighted_aux_losses_and_reports_them_apart():
         loss_fn((logits, mtp, mtp), labels)
 
 
-# --------------------------------------------------------------------------- Hugging Face
 
 
-def random_hf_folder(path: Path, q_lora_rank: int | None, rope_interleave: bool, yarn: bool) -> object:
-    transformers = pytest.importorskip("transformers")
-    values = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, first_k_dense_replace=2, kv_lora_rank=24, q_lora_rank=q_lora_rank, qk_rope_head_dim=8,
-        v_head_dim=12, qk_nope_head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.1,
-        rope_interleave=rope_interleave, attn_implementation="eager",
-    )  # fmt: skip
-    if yarn:  # mscale != mscale_all_dim, so both YaRN temperatures act
-        values["rope_scaling"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 0.8,
-                                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 16}  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**values)).eval()
-    with torch.no_grad():  # random norm scales too, so a swapped norm would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return model
+# --------------------------------------------------------------------------- routing
 
 
-@pytest.mark.parametrize(
-    "q_lora_rank, rope_interleave, yarn", [(16, True, True), (None, True, True), (16, False, True), (16, True, False)]
-)
-def test_hf_logits_match_transformers_both_ways(tmp_path, q_lora_rank, rope_interleave, yarn):
-    import transformers
-
-    reference = random_hf_folder(tmp_path / "hf", q_lora_rank, rope_interleave, yarn)
-    ours = meshloom.from_hf(tmp_path / "hf")
-    assert ours.args.mtp_depth == 0 and ours.args.q_lora_rank == (q_lora_rank or 0)
-    tokens = torch.randint(0, 128, (2, 100), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = reference(tokens).logits
-        assert expected.std() > 0.5  # large enough logits for the comparison to mean something
-        assert (ours(tokens) - expected).abs().max() <= 1e-5
-
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    write_hf_folder(ours.state_dict(), SPEC, ours.args, tmp_path / "back", dtype=torch.float32, base_config=config)
-    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert (back(tokens).logits - expected).abs().max() <= 1e-5
-    assert deepseek_hf.args_from_hf_config(json.loads((tmp_path / "back" / "config.json").read_text())) == ours.args
-
-
-def test_hf_export_leaves_out_prediction_modules_and_import_keeps_them_initialised(tmp_path):
-    from meshloom.checkpoint.hf import HFFolder, load_into_model_parts
-
-    model = DeepSeekV3(tiny())
-    names = list(model.state_dict())
-    exported = SPEC.hf.exported_names(names, model.args)
-    assert any(n.startswith("mtp.") for n in names) and not any(n.startswith("mtp.") for n in exported)
-    write_hf_folder(model.state_dict(), SPEC, model.args, tmp_path / "hf", dtype=torch.float32)
-    fresh = DeepSeekV3(tiny())
-    before = fresh.mtp["0"].proj.weight.clone()
-    load_into_model_parts([fresh], HFFolder(tmp_path / "hf"))
-    assert torch.equal(fresh.layers["1"].attention.wkv_b.weight, model.layers["1"].attention.wkv_b.weight)
-    assert torch.equal(fresh.mtp["0"].proj.weight, before)
+def naive_moe(moe: MoE, x: torch.Tensor, score_func: str, renormalize: bool, scale: float, groups: int, limited: int) -> torch.Tensor:
+    """The DeepSeek-V3 report's MoE (eqs. 12-16 with the bias of section 2.1.2) token by token, in float64: sigmoid
+    (or softmax) affinities, the top-k of affinity + bias among the `limited` groups with the largest sum of their two
+    best biased affinities, gates from the unbiased affinities (renormalised over the chosen, then scaled), plus the
+    shared experts."""
+    w = {n: p.detach().double() for n, p in moe.named_parameters()}
+    bias = moe.expert_bias.double()
+    n_experts, top_k = w["router.weight"].shape[0], moe.router.top_k
+    out = []
+    for token in x.reshape(-1, x.shape[-1]).double():
+        logits = w["router.weight"] @ token
+        s = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(-1)
+        biased = (s + bias).view(groups, -1)
+        best_groups = biased.topk(2, dim=-1).values.sum(-1).topk(limited).indices.tolist()
+        allowed = [e for e in range(n_experts) if e // (n_experts // groups) in best_groups]
+        chosen = sorted(allowed, key=lambda e: -(s[e] + bias[e]).item())[:top_k]
+        gates = s[chosen] / (s[chosen].sum() if renormalize else 1.0) * scale
+        y = sum(
+            g * (w["experts.w2"][e] @ (F.silu(w["experts.w1"][e] @ token) * (w["experts.w3"][e] @ token)))
+            for g, e in zip(gates, chosen, strict=True)
+        )
+        if moe.shared_experts is not None:
+            y = y + w["shared_experts.w2.weight"] @ (F.silu(w["shared_experts.w1.weight"] @ token) * (w["shared_experts.w3.weight"] @ token))
+        out.append(y)
+    return torch.stack(out).view(x.shape)
 
 
 @pytest.mark.parametrize(
-    "changes, message",
+    "changes",
     [
-        ({"num_key_value_heads": 2}, "num_key_value_heads=2 is not supported"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3' is not supported"),
-        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        {},  # tiny: sigmoid, 4 groups of 2 experts, 2 of them per token, renormalised, scale 2.5, one shared expert
+        {"score_func": "softmax", "route_norm": False, "route_scale": 1.0, "n_expert_groups": 1, "n_limited_groups": 1,
+         "n_shared_experts": 2},  # the 16B flavour's routing
+        {"n_activated_experts": 3, "n_expert_groups": 2, "n_limited_groups": 2, "n_shared_experts": 0},
     ],
-)
-def test_unsupported_hf_configs_are_named(changes, message):
-    base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128,
-            "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}  # fmt: skip
-    with pytest.raises(ValueError, match=message):
-        deepseek_hf.args_from_hf_config({**base, **changes})
+)  # fmt: skip
+def test_moe_blocks_route_as_deepseek_v3(changes):
+    args = tiny(**changes)
+    torch.manual_seed(0)
+    moe = build_moe(args)
+    moe.init_weights(0.3, 0.1)
+    with torch.no_grad():
+        moe.expert_bias.uniform_(-0.2, 0.2)  # large enough to change choices, so the bias is exercised
+    x = torch.randn(2, 7, args.dim)
+    expected = naive_moe(moe, x, args.score_func, args.route_norm, args.route_scale, args.n_expert_groups, args.n_limited_groups)
+    assert (moe(x).double() - expected).abs().max() < 1e-5
+    with torch.no_grad():
+        moe.expert_bias.zero_()
+    assert (moe(x).double() - expected).abs().max() > 1e-3
+    model = DeepSeekV3(args)
+    kinds = [type(block.mlp).__name__ for block in [*model.layers.values(), *(m.block for m in model.mtp.values())]]
+    assert kinds == ["FeedForward", "MoE", "MoE", "MoE"]  # n_dense_layers = 1; prediction blocks are MoE like the last
 
 
-# --------------------------------------------------------------------------- shapes, counts and errors
+# --------------------------------------------------------------------------- shapes and counts
 
 
 def test_published_flavours_have_the_published_parameter_counts():
     v3 = get_model_args("deepseek_v3", "671B")
     main, with_mtp = SPEC.shape_model(dataclasses.replace(v3, mtp_depth=0)), SPEC.shape_model(v3)
     assert main.num_params() == pytest.approx(671.0e9, rel=1e-3)
-    # Active per token without the embedding table: DeepSeek's 36.6B "including 0.9B for the output head".
+    # Activated per token: DeepSeek's 37B, of which 36.6B "including 0.9B for the output head" without the table.
+    assert main.active_params() == pytest.approx(37.5e9, rel=2e-3)
     assert main.matmul_params_per_token() - v3.dim == pytest.approx(36.6e9, rel=2e-3)
     # One prediction module: DeepSeek's 11.5B unique parameters (its eh_proj is 0.1B more here) over a shared embedding and head.
     assert with_mtp.num_params() - main.num_params() == pytest.approx(11.6e9, rel=5e-3)
     lite = SPEC.shape_model(get_model_args("deepseek_v3", "16B"))
     assert lite.num_params() == pytest.approx(15.7e9, rel=2e-3)
-    assert lite.matmul_params_per_token() - 2048 == pytest.approx(2.45e9, rel=1e-2)
+    assert lite.matmul_params_per_token() - 2048 == pytest.approx(2.45e9, rel=1e-2)  # DeepSeek-V2-Lite: 2.4B active
 
 
 @pytest.mark.parametrize("flavor", ["tiny", "debug", "16B", "671B"])
 def test_shape_model_counts_what_the_meta_model_holds(flavor):
     args = get_model_args("deepseek_v3", flavor)
-    if args.has_moe and not MOE_AVAILABLE:
-        pytest.skip("MoE blocks need meshloom.models.common.moe")
     with torch.device("meta"):
         model = DeepSeekV3(args)
-    assert model.num_params() == SPEC.shape_model(args).num_params()
+    shape = SPEC.shape_model(args)
+    assert model.num_params() == shape.num_params()
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
+    assert routed == sum(p.numel for i in range(args.n_layers + args.mtp_depth) for p in shape.block_params(i) if p.expert)
     with torch.device("meta"):  # a pipeline's last stage: its blocks, the output, the prediction modules, the embedding copy
         last = SPEC.carve_stage(DeepSeekV3(args), [args.n_layers - 1], first=False, last=True)
-    shape = SPEC.shape_model(args)
     assert sum(p.numel() for p in last.parameters()) == sum(
         p.numel for p in [*shape.block_params(args.n_layers - 1), *shape.root_params(first=False, last=True)]
     )
 
 
-def _dims(**degrees) -> ParallelDims:
-    values = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, **degrees}
-    return ParallelDims(**values, world_size=math.prod(values.values()))
+# --------------------------------------------------------------------------- errors
 
-
-def test_layout_mistakes_are_named_config_errors():
-    with pytest.raises(ConfigError, match="parallelism.tp=3 does not divide the model's n_heads=4"):
-        SPEC.check_layout(tiny(), _dims(tp=3))
-    with pytest.raises(ConfigError, match="vocab_size=510"):
-        SPEC.check_layout(tiny(vocab_size=510), _dims(tp=4))
-    base = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--training.local_batch_size", "8"]
-    with pytest.raises(ConfigError, match="parallelism.ep > 1 needs a mixture-of-experts model"):
-        RunPlan.build(load_config([*base, "--parallelism.ep", "2", "--parallelism.dp_shard", "2"]), 2)
-    with pytest.raises(ConfigError, match="multi-token prediction looks 2 tokens ahead"):
-        from meshloom.models.deepseek_v3.parallelize import check_context_parallel
-        from meshloom.parallel.context import SequenceLayout
-
-        check_context_parallel(tiny(), SequenceLayout(4), seq_len=8)
-    with pytest.raises(ValueError, match="n_limited_groups \\(3\\) must be <= n_expert_groups \\(2\\)"):
-        tiny(n_dense_layers=1, n_limited_groups=3)
-
-
-@pytest.mark.skipif(MOE_AVAILABLE, reason="only while the shared MoE layer is missing")
-def test_moe_flavours_say_what_they_need_before_anything_is_built():
-    with pytest.raises(ConfigError, match="need the shared MoE layer"):
-        RunPlan.build(load_config(["--model.name", "deepseek_v3", "--model.flavor", "debug"]), 1)
-    with pytest.raises(ValueError, match="need the shared MoE layer"):
-        DeepSeekV3(get_model_args("deepseek_v3", "debug"))
+DS = ["--model.name", "deepseek_v3", "--training.local_batch_size", "8"]
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "changes, message",
     [
-        ["--parallelism.tp", "2"],  # FSDP 4 x TP 2: rank 0 holds the whole model, prediction modules included
-        ["--parallelism.tp", "2", "--parallelism.pp", "2"],  # PP 2 x FSDP 2 x TP 2: rank 0 holds the first stage
+        ({"n_expert_groups": 3}, r"n_expert_groups=3 must divide n_routed_experts=8"),
+        ({"n_limited_groups": 5}, r"n_limited_groups=5 must be <= n_expert_groups=4"),
+        ({"n_activated_experts": 5}, r"n_activated_experts=5 exceeds the 4 experts a token may reach \(n_limited_groups=2 groups of 2\)"),
+        ({"n_dense_layers": 3}, r"n_dense_layers=3 exceeds n_layers=2 .* set model.n_layers >= 3"),
+        ({"mtp_depth": -1}, r"mtp_depth must be >= 0, got -1"),
+        ({"qk_rope_head_dim": 7}, r"qk_rope_head_dim must be even"),
+        ({"score_func": "relu"}, r"score_func must be 'softmax' or 'sigmoid'"),
+        ({"route_scale": 0.0}, r"route_scale must be > 0"),
+        ({"moe_inter_dim": 0}, r"moe_inter_dim must be > 0 when some blocks are MoE"),
+        ({"n_shared_experts": -1}, r"n_shared_experts must be >= 0"),
     ],
 )
-def test_dry_run_of_tiny_matches_its_estimate(overrides):
-    config = load_config([
-        "--model.name", "deepseek_v3", "--model.flavor", "tiny", "--model.n_layers", "4", "--training.seq_len", "64",
-        "--training.local_batch_size", "4", "--training.mixed_precision", "bf16", *overrides,
-    ])  # fmt: skip
-    report = dry_run(config, 8)
-    assert report.built_param_bytes == report.rank_params
-    assert report.memory.peak > report.memory.params > 0 and report.comm_bytes["tp"] > 0
+def test_shape_mistakes_are_named_config_errors(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(**changes)
 
 
-@needs_moe
-def test_dry_run_of_671b_on_1024_ranks():
-    config = load_config([
-        "--model.name", "deepseek_v3", "--model.flavor", "671B", "--training.seq_len", "4096",
-        "--training.local_batch_size", "16", "--pipeline.microbatches", "16", "--parallelism.pp", "16",
-        "--training.mixed_precision", "bf16", "--activation_checkpoint.mode", "full",
-    ])  # fmt: skip
-    report = dry_run(config, 1024)
-    assert report.seconds < 120
-    assert report.built_param_bytes == report.rank_params
+@pytest.mark.parametrize(
+    "world, settings, message",
+    [
+        (2, ["--model.flavor", "671B", "--model.n_layers", "2"], r"n_dense_layers=3 exceeds n_layers=2"),
+        (3, ["--model.flavor", "tiny", "--parallelism.tp", "3"], r"parallelism.tp=3 does not divide the model's n_heads=4"),
+        (8, ["--model.flavor", "tiny", "--parallelism.tp", "8"], r"tp=8 does not divide the model's n_heads=4"),
+            (2, ["--model.flavor", "tiny", "--parallelism.ep", "2"], r"expert parallel is not available for deepseek_v3 yet"),
+        (3, ["--model.flavor", "tiny", "--parallelism.ep", "3"], r"parallelism.ep=3 does not divide the model's n_routed_experts=8"),
+        (2, ["--model.flavor", "tiny", "--model.n_layers", "1", "--parallelism.ep", "2"], r"needs a mixture-of-experts model"),
+    ],
+)
+def test_layout_mistakes_are_named_config_errors(world, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        RunPlan.build(load_config([*DS, "--training.local_batch_size", "24", *settings]), world)
 
 
-# --------------------------------------------------------------------------- parity
+def test_shared_experts_must_split_over_tp():
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=4, pp=1, cp=1, ep=1, world_size=4)
+    SPEC.check_layout(tiny(), dims)
+    with pytest.raises(ConfigError, match=r"parallelism.tp=4 does not divide the model's moe_inter_dim x n_shared_experts=30"):
+        SPEC.check_layout(tiny(moe_inter_dim=30), dims)
 
 
-PARITY_LAYOUTS = ["dp_shard=2", "tp=2", "cp=2", "pp=2", "pp=2,pipeline.schedule=ZBVZeroBubble"]
+@pytest.mark.parametrize(
+    "world, settings, message",
+    [
+        (2, ["--parallelism.cp", "2", "--moe.aux_loss_coef", "1e-3"], "the sequence-wise balance loss needs whole sequences"),
+        (1, ["--compile.enable", "true", "--moe.grouped_mm", "off"], "fullgraph blocks cannot trace"),
+        (1, ["--model.flavor", "16B", "--checkpoint.hf_export_interval", "10"], "always routes by sigmoid scores"),
+        (4, ["--parallelism.cp", "4", "--training.seq_len", "8"], "multi-token prediction looks 2 tokens ahead"),
+    ],
+)
+def test_settings_the_model_cannot_honour_are_config_errors(world, settings, message):
+    """Checked on the meta model by parallelize, before any weight exists (a fake process group of `world` ranks)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    os.environ.pop("WORLD_SIZE", None)
-    # 4 blocks, so that the V schedule gets one per stage; tiny has two prediction depths (MTP on).
-    reference, comparisons = compare(
-        PARITY_LAYOUTS, steps=10, workdir=tmp_path_factory.mktemp("deepseek-parity"),
-        common="model.name=deepseek_v3,model.n_layers=4",
-    )  # fmt: skip
-    return reference, {c.layout.spec: c for c in comparisons}
-
-
-@pytest.mark.parametrize("spec", PARITY_LAYOUTS)
-def test_layout_matches_one_process_with_mtp(parity, spec):
-    reference, comparisons = parity
-    c = comparisons[spec]
-    assert len(c.curve.losses) == 10 and len(reference.aux["mtp_loss"]) == 10
-    assert c.max_loss_diff <= FP32_TOLERANCE, (spec, reference.losses, c.curve.losses)
-    assert c.max_aux_diff <= FP32_TOLERANCE, (spec, reference.aux, c.curve.aux)
-    assert c.grad_norm_diff <= FP32_TOLERANCE
+    plan = RunPlan.build(load_config([*DS, "--model.flavor", "tiny", *settings]), world)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        plan.dims.build_mesh("cpu")
+        with torch.device("meta"), pytest.raises(ConfigError, match=message):
+            SPEC.parallelize(SPEC.model_cls(plan.model_args), plan.dims, plan.config)
+    finally:
+        dist.destroy_process_group()

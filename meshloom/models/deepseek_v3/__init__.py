@@ -4,7 +4,11 @@ from meshloom.models.deepseek_v3.args import DeepSeekV3Args
 from meshloom.models.deepseek_v3.flavors import DEEPSEEK_V3_FLAVORS
 from meshloom.models.deepseek_v3.hf import DeepSeekV3HFAdapter
 from meshloom.models.deepseek_v3.model import MTP_LOSS, DeepSeekV3
-from meshloom.models.deepseek_v3.parallelize import carve_stage, check_layout, parallelize_deepseek_v3
+from meshloom.models.deepseek_v3.parallelize import (
+    carve_stage,
+    check_layout,
+    parallelize_deepseek_v3,
+)
 from meshloom.models.deepseek_v3.shape import DeepSeekV3Shape
 from meshloom.models.spec import ModelSpec
 

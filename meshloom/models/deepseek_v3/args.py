@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshloom.config.errors import ConfigError
 from meshloom.models.common.rope import YarnScaling
 
 
@@ -14,7 +15,7 @@ class DeepSeekV3Args:
     dim: int
     n_layers: int
     # The first n_dense_layers blocks have a dense SwiGLU MLP (Hugging Face: first_k_dense_replace); the rest are
-    # mixture-of-experts blocks. n_dense_layers >= n_layers makes every block dense.
+    # mixture-of-experts blocks. n_dense_layers == n_layers makes every block dense.
     n_dense_layers: int
     n_heads: int
     vocab_size: int
@@ -54,38 +55,55 @@ class DeepSeekV3Args:
     mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
+        # ConfigError (a ValueError): a flavour, a model.n_layers override or a Hugging Face config.json that cannot
+        # be built stops here, before anything is allocated, naming the field.
         positive = ("dim", "n_layers", "n_heads", "vocab_size", "inter_dim", "max_seq_len", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"deepseek_v3 {name} must be > 0, got {getattr(self, name)}")
         for name in ("n_dense_layers", "q_lora_rank", "mtp_depth"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"deepseek_v3 {name} must be >= 0, got {getattr(self, name)}")
+        if self.n_dense_layers > self.n_layers:
+            raise ConfigError(
+                f"deepseek_v3 n_dense_layers={self.n_dense_layers} exceeds n_layers={self.n_layers} (the first "
+                f"n_dense_layers blocks are dense); set model.n_layers >= {self.n_dense_layers}"
+            )
         if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+            raise ConfigError(f"deepseek_v3 qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
         if self.mtp_depth and self.mtp_loss_weight < 0:
-            raise ValueError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
+            raise ConfigError(f"deepseek_v3 mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
         if self.has_moe:
             self._check_moe()
 
     def _check_moe(self) -> None:
         for name in ("moe_inter_dim", "n_routed_experts", "n_activated_experts", "n_expert_groups", "n_limited_groups"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 when some blocks are MoE (n_dense_layers < n_layers), got {getattr(self, name)}")
+                raise ConfigError(
+                    f"deepseek_v3 {name} must be > 0 when some blocks are MoE (n_dense_layers < n_layers), got {getattr(self, name)}"
+                )
+        if self.n_shared_experts < 0:
+            raise ConfigError(f"deepseek_v3 n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.score_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+            raise ConfigError(f"deepseek_v3 score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        if self.route_scale <= 0:
+            raise ConfigError(f"deepseek_v3 route_scale must be > 0, got {self.route_scale}")
         if self.n_routed_experts % self.n_expert_groups:
-            raise ValueError(
-                f"n_expert_groups ({self.n_expert_groups}) must divide n_routed_experts ({self.n_routed_experts})"
+            raise ConfigError(
+                f"deepseek_v3 n_expert_groups={self.n_expert_groups} must divide n_routed_experts={self.n_routed_experts} "
+                "(node-limited routing cuts the experts into equal groups)"
             )
-        if not self.n_limited_groups <= self.n_expert_groups:
-            raise ValueError(f"n_limited_groups ({self.n_limited_groups}) must be <= n_expert_groups ({self.n_expert_groups})")
+        if self.n_limited_groups > self.n_expert_groups:
+            raise ConfigError(
+                f"deepseek_v3 n_limited_groups={self.n_limited_groups} must be <= n_expert_groups={self.n_expert_groups}"
+            )
         per_group = self.n_routed_experts // self.n_expert_groups
         if self.n_activated_experts > self.n_limited_groups * per_group:
-            raise ValueError(
-                f"n_activated_experts ({self.n_activated_experts}) exceeds the experts in n_limited_groups groups "
-                f"({self.n_limited_groups} x {per_group})"
+            raise ConfigError(
+                f"deepseek_v3 n_activated_experts={self.n_activated_experts} exceeds the {self.n_limited_groups * per_group} "
+                f"experts a token may reach (n_limited_groups={self.n_limited_groups} groups of {per_group}); lower the "
+                "top-k or raise n_limited_groups"
             )
 
     @property

@@ -25,13 +25,14 @@ from meshloom.models.common.rope import YarnScaling
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
-    # Tests: latent q and kv, v_head_dim != qk head dim, YaRN, two prediction depths; 4 heads allow tp 2 and 4.
-    # Every block is dense (n_dense_layers covers any n_layers a test sets).
+    # Tests: latent q and kv, v_head_dim != qk head dim, YaRN, two prediction depths; 4 heads allow tp 2 and 4. One
+    # dense block, then MoE blocks (the prediction modules' too): 8 experts in 4 groups, a token's top 2 from its best
+    # 2 groups, one shared expert, sigmoid scores renormalised and scaled.
     "tiny": DeepSeekV3Args(
-        dim=64, n_layers=2, n_dense_layers=64, n_heads=4, vocab_size=512, inter_dim=128, max_seq_len=256,
+        dim=64, n_layers=2, n_dense_layers=1, n_heads=4, vocab_size=512, inter_dim=128, max_seq_len=256,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-        moe_inter_dim=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=2,
-        n_limited_groups=1, route_scale=2.5,
+        moe_inter_dim=32, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=4,
+        n_limited_groups=2, route_scale=2.5,
         rope_scaling=YarnScaling(factor=4.0, original_max_seq_len=32, mscale=1.0, mscale_all_dim=1.0),
         mtp_depth=2,
     ),

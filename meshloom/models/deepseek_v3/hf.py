@@ -5,6 +5,13 @@ adjacent channel pairs, and without it both rotate channel i with channel i + d/
 layout from args.rope_interleave), so every tensor maps one to one and a round trip is bit-exact.
 Multi-token-prediction modules are training-only: Hugging Face's model has none, so they are neither exported
 nor expected on import (an imported model has mtp_depth 0).
+
+Mixture-of-experts blocks: on disk (the released checkpoints, and what transformers 5's save_pretrained writes)
+each routed expert is three 2-D tensors, `mlp.experts.<e>.{gate,up,down}_proj.weight`, which our 3-D
+`moe.experts.w1/w3/w2` stacks split into; the shared experts are one SwiGLU (`mlp.shared_experts`), the router is
+`mlp.gate.weight` and the aux-loss-free balancing bias is `mlp.gate.e_score_correction_bias`, so a model trained
+with bias balancing exports as it routes. transformers always scores with a sigmoid, so a softmax-routed model
+(the 16B flavour, DeepSeek-V2-Lite's routing) cannot be exported.
 """
 
 from __future__ import annotations
@@ -41,7 +48,16 @@ _PER_BLOCK = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "moe.router.weight": "mlp.gate.weight",
+    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+    "moe.experts.w2": "mlp.experts.{e}.down_proj.weight",
+    "moe.experts.w3": "mlp.experts.{e}.up_proj.weight",
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
+_EXPERT_STACKS = frozenset({"moe.experts.w1", "moe.experts.w2", "moe.experts.w3"})
 # Fields that do not change what the network computes (max_seq_len only sizes the RoPE tables; multi-token
 # prediction is training-only).
 _NOT_SHAPING = ("max_seq_len", "mtp_depth", "mtp_loss_weight")
@@ -102,7 +118,8 @@ def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -
         return DeepSeekV3Args(
             dim=int(config["hidden_size"]),
             n_layers=n_layers,
-            n_dense_layers=int(config.get("first_k_dense_replace") or 0),
+            # Hugging Face builds every block dense when first_k_dense_replace >= num_hidden_layers.
+            n_dense_layers=min(int(config.get("first_k_dense_replace") or 0), n_layers),
             n_heads=n_heads,
             vocab_size=int(config["vocab_size"]),
             inter_dim=int(config["intermediate_size"]),
@@ -195,6 +212,10 @@ class DeepSeekV3HFAdapter(NameMapAdapter):
     model_type = MODEL_TYPE
     top_level = _TOP_LEVEL
     per_block = _PER_BLOCK
+    expert_stacks = _EXPERT_STACKS
+
+    def num_experts(self, args: DeepSeekV3Args) -> int:
+        return args.n_routed_experts
 
     def args_from_config(self, config: Mapping[str, Any], where: str = "config.json") -> DeepSeekV3Args:
         return args_from_hf_config(config, where)
@@ -207,3 +228,19 @@ class DeepSeekV3HFAdapter(NameMapAdapter):
 
     def exported_names(self, names: list[str], args: DeepSeekV3Args) -> list[str]:
         return [name for name in names if not name.startswith("mtp.")]
+
+    def optional_hf_tensors(self, args: DeepSeekV3Args) -> set[str]:
+        """Without shared experts transformers still builds (and saves) an empty shared MLP in each MoE block."""
+        if args.n_shared_experts or not args.has_moe:
+            return set()
+        names = ("gate_proj", "up_proj", "down_proj")
+        layers = range(args.n_dense_layers, args.n_layers)
+        return {f"{self.hf_block_prefix}.{i}.mlp.shared_experts.{n}.weight" for i in layers for n in names}
+
+    def check_exportable(self, state: Mapping[str, torch.Tensor], args: DeepSeekV3Args) -> None:
+        if args.has_moe and args.score_func != "sigmoid":
+            raise ValueError(
+                f"cannot export to Hugging Face DeepseekV3ForCausalLM: this model routes by {args.score_func} scores "
+                "(score_func), but transformers always routes DeepSeek-V3 by sigmoid scores, so it would send tokens "
+                "to other experts with other weights than meshloom does"
+            )

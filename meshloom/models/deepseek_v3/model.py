@@ -22,7 +22,6 @@ one that takes the labels past a shard's end from the rank holding them.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
@@ -32,6 +31,7 @@ from torch import nn
 from meshloom.models.common.feed_forward import FeedForward
 from meshloom.models.common.init import trunc_normal_
 from meshloom.models.common.mla import MultiHeadLatentAttention
+from meshloom.models.common.moe import MoE, MoEArgs
 from meshloom.models.common.norm import RMSNorm
 from meshloom.models.common.rope import apply_rope, apply_rope_half, rope_tables
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
@@ -49,20 +49,21 @@ def shift_left(tokens: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return torch.cat((tokens[:, k:], tokens.new_full((tokens.shape[0], k), fill)), dim=1)
 
 
-def check_moe_available(args: DeepSeekV3Args) -> None:
-    """Raise ValueError when some block is a mixture of experts but the shared MoE layer is missing."""
-    if args.has_moe and importlib.util.find_spec("meshloom.models.common.moe") is None:
-        raise ValueError(
-            "DeepSeek-V3 mixture-of-experts blocks need the shared MoE layer (meshloom.models.common.moe), which this "
-            f"checkout does not have; use a flavour whose blocks are all dense (n_dense_layers={args.n_dense_layers}: "
-            f"set model.n_layers <= {args.n_dense_layers})"
-        )
+def moe_args(args: DeepSeekV3Args) -> MoEArgs:
+    """The shared MoE layer's settings for DeepSeek-V3's routing: sigmoid (or softmax) scores, node-limited groups,
+    optional renormalisation of the chosen weights, route_scale, and the shared experts as one SwiGLU of
+    n_shared_experts x moe_inter_dim (as the released weights store them)."""
+    return MoEArgs(
+        n_experts=args.n_routed_experts, top_k=args.n_activated_experts, hidden_dim=args.moe_inter_dim,
+        score_func=args.score_func, renormalize=args.route_norm, route_scale=args.route_scale,
+        n_expert_groups=args.n_expert_groups, n_limited_groups=args.n_limited_groups,
+        shared_hidden_dim=args.moe_inter_dim * args.n_shared_experts,
+    )  # fmt: skip
 
 
 def build_moe(args: DeepSeekV3Args) -> nn.Module:
     """The shared mixture-of-experts layer, configured for DeepSeek-V3's routing."""
-    check_moe_available(args)
-    raise NotImplementedError("the shared MoE layer's constructor is wired in with the layer itself")
+    return MoE(args.dim, moe_args(args))
 
 
 def feed_forward_for(args: DeepSeekV3Args, layer: int) -> nn.Module:

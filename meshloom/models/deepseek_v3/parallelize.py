@@ -9,6 +9,12 @@ is gathered by wq_b, the kv latent with the shared rotary key (kv_lora_rank + qk
 gathered once as wkv_a's output, and kv_norm then runs on the whole latent with replicated weights. Every local
 head reads the one rotary key, so its gradient is a partial sum per rank: `shared_rope_key` all-reduces it.
 Multi-token prediction modules get the blocks' plan; their norms and projection work on the sequence shard.
+
+Tensor parallel for the mixture-of-experts blocks (as Qwen3's): the MoE layer gets the whole sequence, gathered from
+the shards, and returns its output to them. The router and the routed experts are replicated over tp, so every rank
+routes and computes every token and their gradients are whole on each rank (the balancing counts too, so they are
+summed over data-parallel ranks only); the shared experts are split like a dense MLP. Routed experts are
+FSDP-sharded like every other parameter; expert parallel would wrap the layers `moe_layers` returns.
 """
 
 from __future__ import annotations
@@ -17,11 +23,18 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -30,8 +43,9 @@ from torch.distributed.tensor.parallel import (
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
+from meshloom.models.common.moe import MoE
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
-from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3, check_moe_available
+from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3
 from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
@@ -44,7 +58,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_layout(args: DeepSeekV3Args, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, vocabulary rows and MLP rows; experts split evenly over ep."""
+    """Every tensor-parallel rank gets whole heads, vocabulary rows and MLP rows (dense and shared experts); the
+    routed experts split evenly over ep."""
     sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
     if args.n_dense_layers:
         sizes["inter_dim"] = args.inter_dim
@@ -52,16 +67,30 @@ def check_layout(args: DeepSeekV3Args, dims: ParallelDims) -> None:
         sizes["moe_inter_dim x n_shared_experts"] = args.moe_inter_dim * args.n_shared_experts
     check_divisible("tp", dims.tp, sizes)
     if args.has_moe:
-        try:
-            check_moe_available(args)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
         check_divisible("ep", dims.ep, {"n_routed_experts": args.n_routed_experts})
-        if dims.tp > 1:
-            raise ConfigError(
-                "tensor parallel does not yet split DeepSeek-V3's mixture-of-experts blocks; set parallelism.tp = 1 "
-                "(FSDP and pipeline stages shard them) or use an all-dense shape"
-            )
+    if dims.ep > 1:
+        raise ConfigError("parallelism.ep > 1: expert parallel is not available for deepseek_v3 yet; set parallelism.ep = 1")
+
+
+def check_moe_settings(args: DeepSeekV3Args, dims: ParallelDims, config: Config) -> None:
+    """[moe] and export settings this model and layout cannot honour (run before anything is materialised)."""
+    if not args.has_moe:
+        return
+    if dims.cp > 1 and config.moe.aux_loss_coef > 0:
+        raise ConfigError(
+            "moe.aux_loss_coef > 0 with parallelism.cp > 1: the sequence-wise balance loss needs whole sequences, "
+            "which context parallel splits; set moe.aux_loss_coef = 0 or parallelism.cp = 1"
+        )
+    if config.compile.enable and config.moe.grouped_mm == "off":
+        raise ConfigError(
+            "moe.grouped_mm = 'off' loops over experts with data-dependent sizes, which compile.enable's fullgraph "
+            "blocks cannot trace; set moe.grouped_mm to 'auto' or 'on', or compile.enable = false"
+        )
+    if config.checkpoint.hf_export_interval and args.score_func != "sigmoid":
+        raise ConfigError(
+            f"checkpoint.hf_export_interval with a {args.score_func}-routed model: Hugging Face DeepseekV3ForCausalLM "
+            "always routes by sigmoid scores; set checkpoint.hf_export_interval = 0 or use a sigmoid-routed flavour"
+        )
 
 
 def check_context_parallel(args: DeepSeekV3Args, layout: SequenceLayout, seq_len: int) -> None:
@@ -98,6 +127,17 @@ class ReplicateParallel(ParallelStyle):
             return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
 
         return distribute_module(module, device_mesh, input_fn=to_replicated, output_fn=lambda mod, out, mesh: out.to_local())
+
+
+class ReplicateParameters(ParallelStyle):
+    """The module's own parameters become DTensors replicated over tp (inputs and outputs untouched): each rank holds
+    and computes whole copies, on the mesh of the sharded parameters, which FSDP and the gradient norm need."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        return module
 
 
 class SumGradOverRanks(ParallelStyle):
@@ -137,6 +177,22 @@ def _block_plan(block: DeepSeekBlock) -> dict[str, ParallelStyle]:
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })  # fmt: skip
+        return plan
+    plan.update({
+        # The whole sequence in (a local tensor), the output back to this rank's shard (a local slice).
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+        ),
+        "moe.router": ReplicateParameters(),
+        "moe.experts": ReplicateParameters(),
+    })  # fmt: skip
+    if block.moe.shared_experts is not None:
+        plan.update({
+            "moe.shared_experts.w1": ColwiseParallel(),
+            "moe.shared_experts.w3": ColwiseParallel(),
+            "moe.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
+        })  # fmt: skip
     return plan
 
 
@@ -150,7 +206,7 @@ def apply_tensor_parallel(model: DeepSeekV3, tp_mesh, loss_parallel: bool) -> No
         root_plan["output"] = ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
         )
-    for name, module in (model.mtp or {}).items():
+    for name in model.mtp or {}:
         root_plan.update({
             f"mtp.{name}.embed_norm": SequenceParallel(),
             f"mtp.{name}.hidden_norm": SequenceParallel(),
@@ -176,6 +232,11 @@ def _blocks(model: DeepSeekV3) -> nn.ModuleDict:
     return nn.ModuleDict(blocks)
 
 
+def moe_layers(model: DeepSeekV3) -> dict[str, MoE]:
+    """This (stage of the) model's mixture-of-experts layers, prediction modules' included, by block index."""
+    return {index: block.moe for index, block in _blocks(model).items() if isinstance(getattr(block, "moe", None), MoE)}
+
+
 def apply_context_parallel(model: DeepSeekV3, cp_mesh, layout: SequenceLayout, seq_len: int) -> None:
     """Ring attention in every block, this rank's RoPE positions, and label shifts that cross shards."""
     check_context_parallel(model.args, layout, seq_len)
@@ -188,6 +249,7 @@ def apply_context_parallel(model: DeepSeekV3, cp_mesh, layout: SequenceLayout, s
 
 def parallelize_deepseek_v3(model: DeepSeekV3, dims: ParallelDims, config: Config) -> DeepSeekV3:
     """Also applied to each pipeline stage (a model with some blocks, the embedding or the output removed)."""
+    check_moe_settings(model.args, dims, config)
     par = config.parallelism
     data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
     if config.float8.enable:
