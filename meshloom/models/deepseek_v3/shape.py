@@ -9,6 +9,8 @@ from __future__ import annotations
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
 from meshloom.models.shape import FP32, ParamShape, ShapeModel
 
+INDEX = 8  # int64 routing indices
+
 
 class DeepSeekV3Shape(ShapeModel):
     tie_embeddings = False
@@ -80,12 +82,14 @@ class DeepSeekV3Shape(ShapeModel):
 
         Under TP the norms, the down-projections (wq_a, wkv_a) and q_norm see 1/tp of the sequence, the
         up-projections and attention 1/tp of the heads; the latent (L + R per token) is gathered whole, kv_norm runs
-        on it, and wq_b gathers its input (Q per token; the block input D when there is no q latent).
-          each RMSNorm: fp32 input copy and normalised tensor ((4 + a)·width), and its output kept by the next matmul;
-          attention: SDPA keeps q, k, the up-projected keys and values (the value heads are a view of it) and its
-          output ([a·H·(2·qk + nope + 2V)] / tp) plus the fp32 log-sum-exp; RoPE keeps nothing (its tables are buffers);
-          MLP: dense SwiGLU 4aF/tp; MoE: each token's top_k expert inputs and SwiGLU tensors, the shared experts'
-          SwiGLU and the fp32 router scores.
+        on it, and wq_b gathers its input (Q per token; wq the block input D when there is no q latent).
+          each RMSNorm: its fp32 input copy (the input itself in fp32: the wkv_a output whose view the latent is)
+          and the normalised tensor ((4 + a)·width), and its output kept by the next matmul;
+          attention: a fused kernel (flash, memory-efficient or cuDNN on GPUs) keeps q, k, the up-projected keys and
+          values (the value heads are a view of it) and its output ([a·H·(2·qk + nope + 2V)] / tp) plus the fp32
+          log-sum-exp; RoPE keeps nothing (its tables are buffers). On CPU, SDPA has no fused kernel for V != qk
+          and its math path also keeps the H·s softmax probabilities (see benchmarks/RESULTS.md);
+          MLP: dense SwiGLU 4aF/tp; MoE: see `_moe_activation_bytes`.
         """
         x = self.args
         d, h, a = x.dim, x.n_heads, act_bytes
@@ -95,46 +99,73 @@ class DeepSeekV3Shape(ShapeModel):
             return block_input
         moe = x.is_moe_layer(layer)
         if ac == "selective_op":
-            # Kept: every matmul output and attention's; norms, RoPE, SwiGLU and the gathers are recomputed. Under TP
-            # the row-parallel matmuls (wo, w2) produce full-size partial sums before the reduce-scatter, also kept.
+            # Kept: every aten.mm output (the grouped expert matmuls are recomputed) and attention's; norms, RoPE,
+            # SwiGLU, routing and the gathers are recomputed. Under TP the row-parallel matmuls (wo, w2) produce
+            # full-size partial sums before the reduce-scatter, also kept. The router's logits are fp32.
             q_mm = (q_lat + h * x.qk_head_dim) if q_lat else h * x.qk_head_dim
             attention_mm = q_mm + kv_lat + rope + h * (x.qk_nope_head_dim + x.v_head_dim)
-            mlp_mm = 2 * x.inter_dim if not moe else self._moe_matmul_width()
-            matmuls = a * (attention_mm + mlp_mm) / tp + 2 * a * d * (1 if tp == 1 else 1 + 1 / tp)
+            shared = x.moe_inter_dim * x.n_shared_experts
+            mlp_mm = 2 * (shared if moe else x.inter_dim)
+            row_parallel = 2 if (shared or not moe) else 1
+            router = FP32 * x.n_routed_experts if moe else 0
+            matmuls = a * (attention_mm + mlp_mm) / tp + row_parallel * a * d * (1 if tp == 1 else 1 + 1 / tp) + router
             attention = a * h * x.v_head_dim / tp + FP32 * h / tp
             return block_input + matmuls + attention
         assert ac == "none", ac
         norm = lambda width, shard: (FP32 + a) * width / shard  # noqa: E731
-        attention_in = a * d / tp if q_lat else a * d  # what the first matmuls keep of the norm output
+        # What the first matmuls keep of attention_norm's output: the shard (wq_a, wkv_a), and without a q latent
+        # also wq's gathered copy (the same tensor at tp = 1).
+        attention_in = a * d / tp + (a * d if not q_lat and tp > 1 else 0)
         norms = norm(d, tp) + attention_in + norm(d, tp) + a * d  # attention_norm, ffn_norm (+ gathered MLP input)
-        q_side = (norm(q_lat, tp) + a * q_lat / tp + a * q_lat) if q_lat else 0.0  # wq_a out, q_norm, gathered input
-        kv_side = a * (kv_lat + rope) + norm(kv_lat, 1) + a * kv_lat  # gathered latent, kv_norm, wkv_b's input
+        q_side = (norm(q_lat, tp) + a * q_lat) if q_lat else 0.0  # wq_a out and q_norm, wq_b's gathered input
+        latent_input = a * (kv_lat + rope) if a == FP32 else FP32 * kv_lat  # kv_norm's fp32 input
+        kv_side = latent_input + 2 * a * kv_lat  # + the normalised latent and wkv_b's input
         heads = a * h * (2 * x.qk_head_dim + x.qk_nope_head_dim + 2 * x.v_head_dim) + FP32 * h
         mlp = 4 * a * x.inter_dim / tp if not moe else self._moe_activation_bytes(a, tp)
         return norms + q_side + kv_side + heads / tp + mlp
 
-    def _moe_matmul_width(self) -> float:
-        x = self.args
-        return x.n_routed_experts + 3 * x.n_activated_experts * x.moe_inter_dim + 2 * x.moe_inter_dim * x.n_shared_experts
-
     def _moe_activation_bytes(self, a: int, tp: int) -> float:
+        """An MoE layer's own tensors per token, without checkpointing; its gathered input counts with ffn_norm.
+
+        Routed experts run on the whole sequence on every tp rank, so they are not divided by tp. Per token and each
+        of its K copies: the expert matmuls' gathered input and the weighted sum's input (2aKD), both SwiGLU matmul
+        outputs, the silu output and their product (4aKH), the expert, sort and un-sort indices (3 int64). Router:
+        the fp32 scores (4E), the chosen gates (4K + 4 for their sum, aK as the weighted sum's input), and an fp32
+        copy of the input when activations are narrower. Shared experts: a dense SwiGLU (4aF/tp). The balance
+        losses, when enabled, keep a few more [E]-wide tensors (not counted).
+        """
         x = self.args
-        routed = x.n_activated_experts * (a * x.dim + 4 * a * x.moe_inter_dim)
-        shared = 4 * a * x.moe_inter_dim * x.n_shared_experts / tp
-        return routed + shared + FP32 * 2 * x.n_routed_experts
+        k, e, f = x.n_activated_experts, x.n_routed_experts, x.moe_inter_dim
+        routed = k * (2 * a * x.dim + 4 * a * f) + 3 * INDEX * k
+        router = FP32 * e + FP32 * k + FP32 + a * k + (FP32 * x.dim if a != FP32 else 0)
+        shared = 4 * a * f * x.n_shared_experts / tp
+        return routed + router + shared
 
     def last_stage_extra_activation_bytes_per_token(self, ac: str, tp: int, act_bytes: int, loss_parallel: bool) -> float:
         """Each prediction depth keeps its two input norms and their concatenation (on the sequence shard), its block
         (checkpointed like the main blocks under full or selective_op, else whole), its output norm and the fp32
-        log-softmax of its logits (the logits themselves are freed once the loss is taken)."""
+        log-softmax of its logits (the logits themselves are freed once the loss is taken).
+
+        Under checkpointing the stage may peak when backward recomputes the last depth's block. The next-token
+        loss's nodes are the newest, so its backward runs first and stops at the last main block's output, which
+        waits for the prediction modules' gradient: by then the next-token log-softmax and final norm are freed, and
+        so is the last depth's log-softmax, while every block input and the other depths are alive. What that
+        moment holds beyond the end of forward is added here."""
         d, a = self.dim, act_bytes
         vocab = self.vocab_size / tp if (tp > 1 and loss_parallel) else self.vocab_size
         mode = ac if ac in ("full", "selective_op") else "none"
         per_depth = 2 * (FP32 + a) * d / tp + 2 * a * d / tp + (FP32 + a) * d / tp + a * d + FP32 * vocab
-        return sum(
-            per_depth + self.block_activation_bytes_per_token(self.n_layers + k, mode, tp, act_bytes)
-            for k in range(self.args.mtp_depth)
-        )
+        depth = self.args.mtp_depth
+        blocks = [self.block_activation_bytes_per_token(self.n_layers + k, mode, tp, act_bytes) for k in range(depth)]
+        total = depth * per_depth + sum(blocks)
+        if mode != "none" and depth:
+            last = self.n_layers + depth - 1
+            block_input = a * d / tp
+            recompute = self.block_activation_bytes_per_token(last, "none", tp, a) - (blocks[-1] - block_input)
+            recompute -= block_input if a == FP32 else 0  # the fp32 norm's input copy is the kept input itself
+            freed = 2 * FP32 * vocab + (FP32 * d + a * d) / tp + a * d  # both log-softmaxes and the final norm
+            total += max(0.0, recompute - freed)
+        return total
 
     # ------------------------------------------------------------------ FLOPs and context parallel
 
