@@ -85,3 +85,22 @@ def test_launcher_runs_fsdp_and_exits_zero_then_refuses_bad_layouts(subprocess_e
     cuda_only = _launch(2, ["--training.device", "cuda"], subprocess_env, tmp_path)
     assert cuda_only.returncode != 0
     assert "training.device = 'cuda' but no CUDA device is visible" in cuda_only.stderr
+
+
+def test_tensor_parallel_keeps_a_tied_llama_output_tied():
+    """Each TP style replaces its own weight; parallelize ties the output to the sharded embedding again (meta model,
+    one rank of two in torch's fake process group)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plan = RunPlan.build(load_config(["--model.flavor", "1B", "--model.n_layers", "1", "--parallelism.tp", "2"]), 2)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        plan.dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = plan.spec.parallelize(plan.spec.model_cls(plan.model_args), plan.dims, plan.config)
+    finally:
+        dist.destroy_process_group()
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.to_local().shape == (128256 // 2, 2048)
