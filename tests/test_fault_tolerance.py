@@ -153,8 +153,9 @@ def test_analyzer_on_altered_dumps_finds_late_and_mismatched_ranks_and_missing_d
     (tmp_path / "rank-1.json").unlink()
     report = analyze(tmp_path)
     assert report.no_dump == [1] and report.divergences == [] and report.culprits == [1]
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"no Flight Recorder dumps \(rank-N.json\) for any attempt under"):
-        find_dump_folder(tmp_path / "nothing")
+        find_dump_folder(tmp_path / "empty")
 
 
 def test_step_time_spread_shows_the_slow_rank(runs) -> None:

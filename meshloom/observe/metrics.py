@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import json
+import math
+import os
+import platform
 import re
 import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -91,13 +96,16 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-# Measured CPU rates, keyed by (dtype, thread count): measuring costs ~0.2 s, so do it once.
+# Measured CPU rates of this process, keyed by (dtype, thread count); the file cache below keeps them across runs.
 _CPU_PEAK_CACHE: dict[tuple[torch.dtype, int], float] = {}
 _WARNED_UNKNOWN: set[str] = set()
+# Set to 1 to measure the CPU peak again and overwrite the cached figure (e.g. after a change of machine load).
+CPU_PEAK_REFRESH_ENV = "MESHLOOM_REFRESH_CPU_PEAK"
+CPU_PEAK_FILE = "cpu_peak.json"
 
 
 def measure_cpu_matmul_flops(
-    dtype: torch.dtype = torch.float32, size: int = 512, budget_s: float = 0.2
+    dtype: torch.dtype = torch.float32, size: int = 512, budget_s: float = 0.2, repeats: int = 8
 ) -> float:
     """Best-of-a-few dense matmul rate on this CPU in FLOPs/s (an estimate, not a datasheet peak)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -109,13 +117,63 @@ def measure_cpu_matmul_flops(
     torch.mm(a, b)  # warm-up: first call pays for kernel selection and page faults
     best = float("inf")
     start = time.perf_counter()
-    for _ in range(8):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
     return flops / max(best, 1e-9)
+
+
+def cpu_peak_cache_file() -> Path:
+    """Where measured CPU peaks are kept: $XDG_CACHE_HOME/meshloom (default ~/.cache/meshloom)/cpu_peak.json."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshloom" / CPU_PEAK_FILE
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_peak_key(dtype: torch.dtype) -> str:
+    """One cached figure per CPU model, thread count, torch version and dtype."""
+    return f"{_cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
+
+
+def cached_cpu_peak(dtype: torch.dtype) -> float:
+    """The CPU matmul peak from the per-machine cache file, measured (about 1 s) and stored when missing.
+
+    Measuring once per machine makes MFU comparable between identical runs: a figure re-measured at every start
+    moves with whatever else the machine is doing. Set MESHLOOM_REFRESH_CPU_PEAK=1 to measure again.
+    """
+    refresh = os.environ.get(CPU_PEAK_REFRESH_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    key = cpu_peak_key(dtype)
+    path = cpu_peak_cache_file()
+    try:
+        cached = json.loads(path.read_text())
+        if not isinstance(cached, dict):
+            cached = {}
+    except (OSError, ValueError):
+        cached = {}
+    value = cached.get(key)
+    if refresh or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        # Best of many larger products: this figure is kept, so it is worth a second to make it the real peak.
+        value = measure_cpu_matmul_flops(dtype, size=1024, budget_s=1.0, repeats=50)
+        cached[key] = value
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks may write at once: rename is atomic
+            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as err:  # a read-only home still trains; the figure is then measured per run
+            warnings.warn(f"cannot cache the CPU peak in {path}: {err}", stacklevel=2)
+    return float(value)
 
 
 def peak_flops_per_second(
@@ -126,8 +184,9 @@ def peak_flops_per_second(
     - `override_tflops` (dense TFLOPs per device) always wins.
     - CUDA/ROCm: looked up by device name in a table of dense bf16 / TF32 figures.
       Unknown GPUs emit a warning once and return 0.0 rather than guessing.
-    - CPU: a brief matmul measurement in `dtype` (cached per process). This is an estimate of
-      attainable matmul throughput, so CPU "MFU" is relative to that, not to a datasheet.
+    - CPU: a matmul measurement in `dtype`, made once per machine (CPU model, threads, torch version) and
+      kept in ~/.cache/meshloom/cpu_peak.json (`cached_cpu_peak`; MESHLOOM_REFRESH_CPU_PEAK=1 measures again).
+      This is an estimate of attainable matmul throughput, so CPU "MFU" is relative to that, not to a datasheet.
     """
     if override_tflops is not None:
         if override_tflops <= 0:
@@ -141,7 +200,7 @@ def peak_flops_per_second(
     if device.type == "cpu":
         key = (dtype, torch.get_num_threads())
         if key not in _CPU_PEAK_CACHE:
-            _CPU_PEAK_CACHE[key] = measure_cpu_matmul_flops(dtype)
+            _CPU_PEAK_CACHE[key] = cached_cpu_peak(dtype)
         return _CPU_PEAK_CACHE[key]
 
     if device.type == "cuda":
