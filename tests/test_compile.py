@@ -74,5 +74,6 @@ def test_compile_and_ac_compose_with_fsdp_tp_pp_cp_and_float8_stays_near_bf16(tm
 
 def test_async_tp_is_a_config_error_on_cpu(tmp_path):
     argv = base_overrides(2, tmp_path) + COMPILE + ["--compile.async_tp", "true", "--job.dump_folder", str(tmp_path / "r")]
+    argv += ["--training.device", "cpu"]  # also on a GPU host (test_cuda.py runs async TP there)
     with pytest.raises(ConfigError, match=r"compile.async_tp needs CUDA GPUs .* set compile.async_tp = false"):
         Trainer(load_config(argv))
