@@ -69,6 +69,7 @@ def test_compile_and_ac_compose_with_fsdp_tp_pp_cp_and_float8_stays_near_bf16(tm
     for spec in exact:
         assert by_spec[spec].ok, (spec, by_spec[spec].max_loss_diff, by_spec[spec].grad_norm_diff)
     diff = max(abs(a - b) for a, b in zip(by_spec[bf16].curve.losses, by_spec[float8].curve.losses))
+    print(f"FSDP 2 float8 tensorwise: max |dloss| vs bf16 over 5 steps {diff:.2e}")
     assert 0 < diff <= FLOAT8_LOSS_BOUND_VS_BF16, diff
 
 
