@@ -8,7 +8,7 @@ import sys
 # command -> ("module:function" taking argv and returning an exit code, help). Imported on use, so
 # `meshloom --help` and a typo answer without importing torch.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("meshloom.train.main:main", "train a model from a TOML recipe plus --section.field overrides"),
+    "train": ("meshloom.train.main:main", "train a model from a TOML or YAML recipe plus --section.field overrides"),
     "prepare": ("meshloom.data.prepare:main", "tokenize text files or `datasets` data into memory-mapped token shards"),
     "tokenizer": (
         "meshloom.tools.save_tokenizer:main",

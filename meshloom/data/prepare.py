@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Tokenize .jsonl/.json/.parquet/.txt files, folders of them, `datasets` save_to_disk folders "
         "or hf:NAME datasets into memory-mapped token shards.",
         epilog="The tokenizer, text field and bad-input policy are the [data] settings of a run: pass "
-        "--config FILE.toml and --data.KEY VALUE overrides (data.tokenizer, data.vocab_size, data.text_field, "
+        "--config FILE (TOML or YAML) and --data.KEY VALUE overrides (data.tokenizer, data.vocab_size, data.text_field, "
         "data.bad_input, ...) as for `meshloom train`, so the shards match the run that reads them.",
     )
     parser.add_argument("inputs", nargs="+", help="files, folders, save_to_disk folders or hf:NAME")
