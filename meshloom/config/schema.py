@@ -288,7 +288,8 @@ class MetricsConfig:
     """Show a progress bar in the console."""
 
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device for MFU; 0 = GPU table, or a short matmul measurement on CPU."""
+    """Peak dense TFLOP/s of one device for MFU; 0 = the GPU table, or on CPU a matmul measurement made once per machine
+    and kept in ~/.cache/meshloom/cpu_peak.json (MESHLOOM_REFRESH_CPU_PEAK=1 measures again), so MFU is stable."""
 
 
 @dataclass
