@@ -128,8 +128,9 @@ def test_selective_layer_estimate_lies_between_none_and_full():
 
 
 def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
-    """FSDP 2 with full checkpointing, TP 2, and one process checkpointing every second block, under torchrun:
-    local shards and the memory tracker's activations (recomputation included) vs the estimate."""
+    """FSDP 2 with full checkpointing, TP 2 with selective_op, PP 2, and one process checkpointing every second
+    block, under torchrun: local shards (exactly) and the memory tracker's activations (recomputation included,
+    within 20%) vs the estimate."""
     import argparse
     import importlib.util
     from pathlib import Path
@@ -141,7 +142,8 @@ def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
     args = argparse.Namespace(flavor="tiny", seq_len=128, batch=2)
     layouts = (
         "dp_shard=2,activation_checkpoint.mode=full",
-        "tp=2",
+        "tp=2,activation_checkpoint.mode=selective_op",
+        "pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1",
         "activation_checkpoint.mode=selective_layer,activation_checkpoint.every_k_layers=2",
     )
     for index, layout in enumerate(layouts):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshloom.checkpoint import folders
-from meshloom.config.loader import ConfigError, load_config
+from meshloom.config.loader import ConfigError
 from meshloom.tools.checkpoint_commands import convert_main, export_main
 from meshloom.tools.resume_cases import Case, CaseResult, run_case
 

@@ -75,7 +75,7 @@ class Trainer:
         seed_everything(config.training.seed, config.training.deterministic)
         self.data = self._build_data()
         self._build_model()
-        self.optimizers = [build_optimizer(part, config.optimizer, self.device) for part in self.model_parts]
+        self.optimizers = [build_optimizer(part, config.optimizer, self.device, self.plan.spec.adamw_only) for part in self.model_parts]
         # One optimizer per pipeline stage, so a checkpoint pairs each stage with its own optimizer state.
         self.optimizer = self.optimizers[0] if self.pipeline is None else OptimizerGroup(self.optimizers)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
