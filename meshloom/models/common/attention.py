@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshloom.models.common import qk_clip
 from meshloom.models.common.init import trunc_normal_
 from meshloom.models.common.norm import RMSNorm
 from meshloom.models.common.rope import apply_rope
@@ -67,6 +68,9 @@ class GroupedQueryAttention(nn.Module):
         self.rope = rope
         # Swappable from outside (context parallel puts a ring over the sequence shards here).
         self.core = causal_attention
+        # QK-clip turns this on: training forwards then record each local head's largest logit (see qk_clip.py).
+        self.track_max_logits = False
+        self.max_logits: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None = None
@@ -84,6 +88,8 @@ class GroupedQueryAttention(nn.Module):
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
+        if self.track_max_logits and self.training:
+            qk_clip.track(self, q, k, document_ids)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             # Query head i reads kv head i // n_rep; an explicit copy works with
