@@ -44,7 +44,7 @@ MUON_LAYOUTS = ["dp_shard=2", "tp=2", "pp=2", "dp_replicate=2,dp_shard=2", "dp_s
 # start near 0.15).
 CLIP_LR = 5e-3
 TAU = 0.01
-CLIP_LAYOUTS = ["tp=2", "dp_shard=2", "pp=2"]
+CLIP_LAYOUTS = ["tp=2", "dp_shard=2", "pp=2", "dp_shard=2,tp=2"]
 STEPS = 10
 
 
@@ -91,19 +91,23 @@ def parity(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clip_runs(tmp_path_factory):
-    """The QK-clip reference in this process, then every clipped layout in one 2-rank launch."""
+    """The QK-clip references (on and off) in this process, then the clipped layouts, one launch per world size."""
     workdir = tmp_path_factory.mktemp("muon_clip")
     os.environ.pop("WORLD_SIZE", None)
     reference, trainer = _train(_argv(workdir, "reference", "", TAU))
     no_clip, _ = _train(_argv(workdir, "no_clip", "", 0.0))
-    cases = {layout: _argv(workdir, f"run_{i}", layout, TAU) for i, layout in enumerate(CLIP_LAYOUTS)}
-    (workdir / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           "--worker", str(workdir / "cases.json"), str(workdir / "curves.json")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    curves = json.loads((workdir / "curves.json").read_text())
+    curves = {}
+    for world in sorted({Layout.parse(layout).world_size for layout in CLIP_LAYOUTS}):
+        layouts = [layout for layout in CLIP_LAYOUTS if Layout.parse(layout).world_size == world]
+        cases = {layout: _argv(workdir, f"run_{i}_{world}", layout, TAU) for i, layout in enumerate(layouts)}
+        cases_file, curves_file = workdir / f"cases_{world}.json", workdir / f"curves_{world}.json"
+        cases_file.write_text(json.dumps(cases))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), __file__,
+               "--worker", str(cases_file), str(curves_file)]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        curves.update(json.loads(curves_file.read_text()))
     for layout, curve in curves.items():
         print(f"QK-clip {layout:<10} max |dloss| {_max_diff(curve['losses'], reference['losses']):.2e} "
               f"clipped heads {curve['clipped_heads']} (1 process: {reference['clipped_heads']})")

@@ -4,11 +4,7 @@ from meshloom.models.common.qk_clip import QKClipTarget
 from meshloom.models.llama3.flavors import LLAMA3_FLAVORS
 from meshloom.models.llama3.hf import ADAPTER
 from meshloom.models.llama3.model import Llama3Args, RopeScaling, Transformer
-from meshloom.models.llama3.parallelize import (
-    carve_stage,
-    check_layout,
-    parallelize_llama3,
-)
+from meshloom.models.llama3.parallelize import carve_stage, check_layout, parallelize_llama3
 from meshloom.models.llama3.shape import Llama3Shape
 from meshloom.models.spec import ModelSpec
 
