@@ -71,6 +71,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, loss_parallel: bool) -> N
             use_local_output=not loss_parallel,
         )
     parallelize_module(model, tp_mesh, root_plan)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # Each style replaced its own weight; both are the same vocabulary-row shards, so tie them again.
+        model.output.weight = model.tok_embeddings.weight
 
     for block in model.layers.values():
         block_plan = {
