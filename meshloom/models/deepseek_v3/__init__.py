@@ -21,7 +21,7 @@ SPEC = ModelSpec(
     check_layout=check_layout,
     shape_model=DeepSeekV3Shape,
     hf=DeepSeekV3HFAdapter(),
-    adamw_only=lambda name: name.startswith(("tok_embeddings.", "output.")),
+    adamw_only=lambda name: name.startswith(("tok_embeddings.", "output.")) or ".moe.router." in name,
     aux_losses=lambda args: {MTP_LOSS: args.mtp_loss_weight} if args.mtp_depth else {},
 )
 
