@@ -102,6 +102,7 @@ class _Model:
 
     def __init__(self, plan: RunPlan, device: torch.device):
         from meshloom.train.model_setup import build_model, build_pipeline_stages  # noqa: PLC0415
+        from meshloom.train.loss import TrainingLoss  # noqa: PLC0415
         from meshloom.train.pipeline_step import PipelineRunner  # noqa: PLC0415
 
         self.plan, self.device = plan, device
@@ -113,7 +114,7 @@ class _Model:
             pp_mesh = plan.dims.mesh("pp")
             stage_ids = plan.pipeline.stages_of(pp_mesh.get_local_rank())
             stages = build_pipeline_stages(plan, device, stage_ids)
-            self.runner = PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, autocast, _sum_loss)
+            self.runner = PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, autocast, TrainingLoss(_sum_loss, {}))
             self.parts = stages
         else:
             self.parts = [build_model(plan, device)]
@@ -123,7 +124,7 @@ class _Model:
     @torch.no_grad()
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.runner is not None:
-            # The schedule scales each microbatch's loss by 1/microbatches; undo it to keep a plain sum.
+            # eval_loss is the mean over microbatches of each one's summed loss; times their number, the batch's sum.
             return self.runner.eval_loss(inputs, labels, None) * self.plan.pipeline.microbatches
         with self.autocast():
             logits = self.parts[0](inputs.to(self.device))
