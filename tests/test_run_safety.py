@@ -192,3 +192,25 @@ def test_ctrl_c_during_a_save_lets_the_save_finish() -> None:
             finished.append(True)
     assert finished == [True]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_only_user_mistakes_are_one_line_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """`meshloom train` prints a UserError as one line and exits 2; any other ValueError is a bug and keeps its trace."""
+    import meshloom.train.trainer as trainer_module
+    from meshloom.config.errors import UserError
+    from meshloom.train.main import main
+
+    def failing(error: Exception) -> type:
+        class Failing:
+            def __init__(self, config) -> None:
+                raise error
+
+        return Failing
+
+    monkeypatch.setattr(trainer_module, "Trainer", failing(UserError("data.path: no files match; check data.glob")))
+    assert main(["--model.flavor", "tiny"]) == 2
+    assert capsys.readouterr().err.strip() == "meshloom: error: data.path: no files match; check data.glob"
+
+    monkeypatch.setattr(trainer_module, "Trainer", failing(ValueError("an internal invariant broke")))
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["--model.flavor", "tiny"])

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from meshloom.config.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -27,12 +29,12 @@ def load_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]
     """
     run_dir = Path(run_dir)
     if not run_dir.exists():
-        raise ValueError(f"run directory {str(run_dir)!r} does not exist; pass the job.dump_folder of a run")
+        raise UserError(f"run directory {str(run_dir)!r} does not exist; pass the job.dump_folder of a run")
     if not run_dir.is_dir():
-        raise ValueError(f"{str(run_dir)!r} is a file, not a run directory; pass the job.dump_folder of a run")
+        raise UserError(f"{str(run_dir)!r} is a file, not a run directory; pass the job.dump_folder of a run")
     path = run_dir / METRICS_FILE
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"run directory {str(run_dir)!r} has no {METRICS_FILE}; "
             "pass the folder of a run that has logged at least one step"
         )
@@ -44,14 +46,14 @@ def load_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict) or "step" not in record:
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'step' field")
+                raise UserError(f"{path}:{lineno}: expected a JSON object with a 'step' field")
             if key in record:
                 try:
                     by_step[int(record["step"])] = float(record[key])
                 except (TypeError, ValueError):
-                    raise ValueError(f"{path}:{lineno}: 'step' and {key!r} must be numbers") from None
+                    raise UserError(f"{path}:{lineno}: 'step' and {key!r} must be numbers") from None
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -72,13 +74,13 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
     """
     run_dirs = [Path(p) for p in run_dirs]
     if not run_dirs:
-        raise ValueError("no run directories given; pass at least one RUN_DIR")
+        raise UserError("no run directories given; pass at least one RUN_DIR")
 
     curves = []
     for run_dir in run_dirs:
         steps, losses = load_curve(run_dir, "loss")
         if not steps:
-            raise ValueError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
+            raise UserError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
         curves.append(((steps, losses), load_curve(run_dir, "val_loss")))
 
     if out is None:
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = write_report(args.run_dirs, args.out)
-    except ValueError as e:
+    except UserError as e:
         print(f"meshloom report: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. --out in a folder that cannot be written
