@@ -63,7 +63,14 @@ def test_convert_into_a_non_empty_folder_needs_overwrite_and_keeps_other_files(s
     assert "model.safetensors" not in names, "a stale single-file export next to new shards would be loaded instead"
     assert "model.safetensors.index.json" in names and "README.md" in names
     assert (out / "README.md").read_text() == "my notes"
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    # The run's tokenizer (the built-in BPE) goes with the weights, its special ids in config.json.
+    assert "tokenizer.json" in names and "tokenizer_config.json" in names
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    special = json.loads((out / "tokenizer_config.json").read_text())
+    assert (vocab[special["bos_token"]], vocab[special["eos_token"]]) == (config["bos_token_id"], config["eos_token_id"])
+    assert "tokenizer.json" in capsys.readouterr().out
     assert not [p for p in out.parent.iterdir() if ".partial-" in p.name]
     for file in out.iterdir():
         assert stat.S_IMODE(file.stat().st_mode) == 0o644 & ~_umask(), file

@@ -22,6 +22,7 @@ from meshloom.checkpoint.hf import (
     parse_size,
     write_hf_folder,
 )
+from meshloom.checkpoint.hf_export import run_tokenizer_files
 from meshloom.checkpoint.output import staged_file, staged_folder
 from meshloom.checkpoint.safe_read import METADATA_FILE
 from meshloom.config.errors import UserError
@@ -93,9 +94,13 @@ def convert_main(argv: list[str]) -> int:
             info = folders.open_checkpoint(args.src)
             spec, model_args, extra = read_model_args(info)
             dtype, max_shard = parse_dtype(args.dtype), parse_size(args.max_shard_size)
+            files, token_ids, note = run_tokenizer_files(info.path)
+            base_config = {**(extra.get("hf_config") or {}), **token_ids}
             with staged_folder(args.dst, args.overwrite) as tmp:
-                write_hf_folder(read_model_weights(info), spec, model_args, tmp, dtype, max_shard, extra.get("hf_config"))
-            print(f"Hugging Face model written to {args.dst}")
+                write_hf_folder(read_model_weights(info), spec, model_args, tmp, dtype, max_shard, base_config)
+                for name, data in files.items():
+                    (tmp / name).write_bytes(data)
+            print(f"Hugging Face model written to {args.dst} ({note})")
         elif (args.src / WEIGHTS_FILE).is_file() or (args.src / INDEX_FILE).is_file():
             folder = HFFolder(args.src)
             model = from_hf(folder.path)
