@@ -5,7 +5,10 @@ ZBVZeroBubble), all in one torchrun launch."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ from meshloom.planning.run_plan import RunPlan
 from meshloom.tools.parity import FP32_TOLERANCE, compare
 
 SPEC = get_model_spec("deepseek_v3")
+# Measured against the estimator (tests/test_plan.py measures llama3 the same way).
+MEASURED_LAYOUTS = ["tp=2"]
 
 
 # --------------------------------------------------------------------------- plans on meta
@@ -72,12 +77,35 @@ def test_dry_run_of_671b_on_1024_ranks():
     assert report.built_param_bytes == report.rank_params
 
 
+def _memory_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_estimate.py"
+    module_spec = importlib.util.spec_from_file_location("memory_estimate_benchmark", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("layout", MEASURED_LAYOUTS)
+def test_estimate_matches_tracked_memory_of_debug(tmp_path, layout):
+    """`debug` cut to 2 blocks (one dense, one MoE) with its MoE prediction module, trained under torchrun: local
+    shards exactly and the memory tracker's activation peak (MLA, routed and shared experts, the prediction module;
+    recomputation included) within the llama3 bound of 20% of the estimate."""
+    bench = _memory_benchmark()
+    args = argparse.Namespace(flavor="debug", seq_len=64, batch=2)
+    ranks = bench.measure(f"model.name=deepseek_v3,model.n_layers=2,{layout}", args, tmp_path, 0)
+    assert not isinstance(ranks, str), f"{layout}: {ranks}"
+    for result in ranks:
+        for kind, tolerance in bench.TARGETS.items():
+            measured, estimated = result["measured"][kind], result["estimated"][kind]
+            assert abs(measured / estimated - 1) <= tolerance, (layout, kind, measured, estimated)
+
+
 # --------------------------------------------------------------------------- parity
 
 # MTP (2 depths, tiny's), 1 dense + 3 MoE blocks (and the 2 prediction modules' MoE blocks), aux-loss-free balancing
 # at 10x DeepSeek's rate so the bias steers routing within 10 steps, and the router z-loss. The sequence-wise balance
 # loss stays off: context parallel refuses it (it needs whole sequences), and one reference serves every layout.
-COMMON = "model.name=deepseek_v3,model.n_layers=4,moe.bias_update_rate=0.01,moe.z_loss_coef=1e-3"
+COMMON = "model.name=deepseek_v3,model.n_layers=4,training.seq_len=32,moe.bias_update_rate=0.01,moe.z_loss_coef=1e-3"
 LAYOUTS = [
     "dp_shard=2",
     "tp=2,activation_checkpoint.mode=full",
