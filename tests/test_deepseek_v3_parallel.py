@@ -1,5 +1,5 @@
 """DeepSeek-V3 under parallel layouts: the dry runs (tiny, and 671B on 1,024 ranks) against the estimator, the tensor
-parallel plan of the MoE blocks, and loss parity against one process (fp32, 10 steps, 1e-5) with multi-token
+parallel plan of the MoE blocks, the estimator against the memory tracker on `debug`, and loss parity against one process (fp32, 10 steps, 1e-5) with multi-token
 prediction, MoE blocks and bias balancing on, for FSDP, TP (with full activation checkpointing), CP and PP (1F1B and
 ZBVZeroBubble), all in one torchrun launch."""
 
@@ -103,7 +103,8 @@ def test_estimate_matches_tracked_memory_of_debug(tmp_path, layout):
 # --------------------------------------------------------------------------- parity
 
 # MTP (2 depths, tiny's), 1 dense + 3 MoE blocks (and the 2 prediction modules' MoE blocks), aux-loss-free balancing
-# at 10x DeepSeek's rate so the bias steers routing within 10 steps, and the router z-loss. The sequence-wise balance
+# at 10x DeepSeek's rate so the bias steers routing within 10 steps (against no bias it moves the reference's losses
+# by up to 4e-3, 400x the bound), and the router z-loss; 32-token sequences. The sequence-wise balance
 # loss stays off: context parallel refuses it (it needs whole sequences), and one reference serves every layout.
 COMMON = "model.name=deepseek_v3,model.n_layers=4,training.seq_len=32,moe.bias_update_rate=0.01,moe.z_loss_coef=1e-3"
 LAYOUTS = [
