@@ -1,7 +1,7 @@
 """DeepSeek-V3 under parallel layouts: the dry runs (tiny, and 671B on 1,024 ranks) against the estimator, the tensor
-parallel plan of the MoE blocks, the estimator against the memory tracker on `debug`, and loss parity against one process (fp32, 10 steps, 1e-5) with multi-token
-prediction, MoE blocks and bias balancing on, for FSDP, TP (with full activation checkpointing), CP and PP (1F1B and
-ZBVZeroBubble), all in one torchrun launch."""
+parallel plan of the MoE blocks, the estimator against the memory tracker on `debug`, and loss parity against one
+process (fp32, 10 steps, 1e-5) with multi-token prediction, MoE blocks and bias balancing on, for FSDP, TP (with full
+activation checkpointing), CP and PP (1F1B and ZBVZeroBubble), all in one torchrun launch."""
 
 from __future__ import annotations
 
