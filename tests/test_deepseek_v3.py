@@ -45,7 +45,7 @@ def naive_mla(mla: MultiHeadLatentAttention, x: torch.Tensor, angles: torch.Tens
     w = {n: p.detach().double() for n, p in mla.named_parameters()}
     nope, rope, vd = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
     heads = w["wkv_b.weight"].shape[0] // (nope + vd)
-    rms = lambda t, g: t / torch.sqrt((t * t).mean(-1, keepdim=True) + 1e-6) * g  # noqa: E731
+    rms = lambda t, g: t / torch.sqrt((t * t).mean(-1, keepdim=True) + 1e-6) * g
     out = []
     for row in x.double():
         s = row.shape[0]

@@ -36,14 +36,14 @@ def random_hf_folder(path: Path, q_lora_rank: int | None, rope_interleave: bool,
     """A random DeepseekV3ForCausalLM (1 dense block, 2 MoE blocks of 8 experts in 4 groups, 3 per token from the best
     2 groups) saved with save_pretrained; random norm scales and balancing bias, so a swapped tensor would show."""
     transformers = pytest.importorskip("transformers")
-    values = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=q_lora_rank, qk_rope_head_dim=8,
-        v_head_dim=12, qk_nope_head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.1,
-        rope_interleave=rope_interleave, attn_implementation="eager", moe_intermediate_size=16, n_routed_experts=8,
-        n_shared_experts=n_shared_experts, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        norm_topk_prob=norm_topk_prob,
-    )  # fmt: skip
+    values = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "first_k_dense_replace": 1, "kv_lora_rank": 24, "q_lora_rank": q_lora_rank, "qk_rope_head_dim": 8,
+        "v_head_dim": 12, "qk_nope_head_dim": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "initializer_range": 0.1,
+        "rope_interleave": rope_interleave, "attn_implementation": "eager", "moe_intermediate_size": 16, "n_routed_experts": 8,
+        "n_shared_experts": n_shared_experts, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": norm_topk_prob,
+    }  # fmt: skip
     if yarn:  # mscale != mscale_all_dim, so both YaRN temperatures act
         values["rope_scaling"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 0.8,
                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 16}  # fmt: skip

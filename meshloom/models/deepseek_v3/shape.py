@@ -112,7 +112,7 @@ class DeepSeekV3Shape(ShapeModel):
             attention = a * h * x.v_head_dim / tp + FP32 * h / tp
             return block_input + matmuls + attention
         assert ac == "none", ac
-        norm = lambda width, shard: (FP32 + a) * width / shard  # noqa: E731
+        norm = lambda width, shard: (FP32 + a) * width / shard
         # What the first matmuls keep of attention_norm's output: the shard (wq_a, wkv_a), and without a q latent
         # also wq's gathered copy (the same tensor at tp = 1).
         attention_in = a * d / tp + (a * d if not q_lat and tp > 1 else 0)
