@@ -23,7 +23,7 @@ from meshloom.config.errors import UserError
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning)
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(UserError):
     """A committed checkpoint whose files cannot be read back intact."""
 
 

@@ -19,6 +19,9 @@ from torch.distributed.checkpoint._traverse import set_element  # DCP's own help
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from meshloom.config.errors import UserError
+
+
 METADATA_FILE = ".metadata"
 
 _ALLOWED_MODULES = {
@@ -31,7 +34,7 @@ _ALLOWED_MODULES = {
 }
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UserError):
     """The checkpoint index names a Python object outside DCP's metadata types."""
 
 

@@ -18,10 +18,13 @@ from typing import Any
 
 import torch
 
+from meshloom.config.errors import UserError
+
+
 Transform = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
-class HFConfigError(ValueError):
+class HFConfigError(UserError):
     """A Hugging Face config.json that meshloom cannot represent."""
 
 

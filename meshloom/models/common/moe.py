@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshloom.config.errors import UserError
 from meshloom.models.common.feed_forward import FeedForward
 from meshloom.models.common.grouped_mm import grouped_mm
 from meshloom.models.common.init import trunc_normal_
@@ -64,20 +65,20 @@ class MoEArgs:
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "hidden_dim", "n_expert_groups", "n_limited_groups"):
             if getattr(self, name) < 1:
-                raise ValueError(f"moe {name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"moe {name} must be >= 1, got {getattr(self, name)}")
         if self.top_k > self.n_experts:
-            raise ValueError(f"moe top_k={self.top_k} exceeds n_experts={self.n_experts}; a token cannot pick more experts than exist")
+            raise UserError(f"moe top_k={self.top_k} exceeds n_experts={self.n_experts}; a token cannot pick more experts than exist")
         if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"moe score_func={self.score_func!r} is not one of {SCORE_FUNCS}")
+            raise UserError(f"moe score_func={self.score_func!r} is not one of {SCORE_FUNCS}")
         if self.n_experts % self.n_expert_groups:
-            raise ValueError(f"moe n_expert_groups={self.n_expert_groups} must divide n_experts={self.n_experts}")
+            raise UserError(f"moe n_expert_groups={self.n_expert_groups} must divide n_experts={self.n_experts}")
         if self.n_limited_groups > self.n_expert_groups:
-            raise ValueError(f"moe n_limited_groups={self.n_limited_groups} exceeds n_expert_groups={self.n_expert_groups}")
+            raise UserError(f"moe n_limited_groups={self.n_limited_groups} exceeds n_expert_groups={self.n_expert_groups}")
         reachable = self.n_limited_groups * self.n_experts // self.n_expert_groups
         if self.top_k > reachable:
-            raise ValueError(f"moe top_k={self.top_k} exceeds the {reachable} experts of n_limited_groups={self.n_limited_groups} groups")
+            raise UserError(f"moe top_k={self.top_k} exceeds the {reachable} experts of n_limited_groups={self.n_limited_groups} groups")
         if self.route_scale <= 0 or self.shared_hidden_dim < 0:
-            raise ValueError("moe route_scale must be > 0 and shared_hidden_dim >= 0")
+            raise UserError("moe route_scale must be > 0 and shared_hidden_dim >= 0")
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = ()) -> bool:

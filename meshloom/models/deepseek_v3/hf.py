@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from meshloom.config.errors import UserError
 from meshloom.models.common.rope import YarnScaling
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
 from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter
@@ -239,7 +240,7 @@ class DeepSeekV3HFAdapter(NameMapAdapter):
 
     def check_exportable(self, state: Mapping[str, torch.Tensor], args: DeepSeekV3Args) -> None:
         if args.has_moe and args.score_func != "sigmoid":
-            raise ValueError(
+            raise UserError(
                 f"cannot export to Hugging Face DeepseekV3ForCausalLM: this model routes by {args.score_func} scores "
                 "(score_func), but transformers always routes DeepSeek-V3 by sigmoid scores, so it would send tokens "
                 "to other experts with other weights than meshloom does"

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshloom.config.errors import UserError
 from meshloom.models.common.feed_forward import FeedForward
 from meshloom.models.common.init import trunc_normal_
 from meshloom.models.common.mla import MultiHeadLatentAttention
@@ -200,7 +201,7 @@ class DeepSeekV3(nn.Module):
         with labels and prediction modules, (logits, mtp_loss).
         """
         if tokens.shape[1] > self.rope_cos.shape[0]:
-            raise ValueError(
+            raise UserError(
                 f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len {self.rope_cos.shape[0]}; "
                 "shorten the sequences or raise max_seq_len"
             )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from meshloom.config.errors import UserError
 from meshloom.models.common.moe import MoEArgs
 from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter
 from meshloom.models.qwen3.model import Qwen3Args
@@ -201,7 +202,7 @@ class Qwen3HFAdapter(NameMapAdapter):
     def check_exportable(self, state: Mapping[str, torch.Tensor], args: Any) -> None:
         biased = [name for name, tensor in state.items() if name.endswith(BIAS) and bool(tensor.count_nonzero())]
         if biased:
-            raise ValueError(
+            raise UserError(
                 f"cannot export to Hugging Face Qwen3-MoE: {len(biased)} MoE layers (first {biased[0]}) route with a "
                 "non-zero load-balancing bias (moe.bias_update_rate > 0 during training), which Qwen3MoeForCausalLM "
                 "has no place for, so transformers would send tokens to other experts than meshloom does"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshloom.config.errors import UserError
 from meshloom.models.common.attention import GroupedQueryAttention
 from meshloom.models.common.feed_forward import FeedForward
 from meshloom.models.common.init import trunc_normal_
@@ -54,13 +55,13 @@ class Qwen3Args:
         self.dense_layers = tuple(int(i) for i in self.dense_layers)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "max_seq_len", "moe_every"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+            raise UserError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must be a positive divisor of n_heads ({self.n_heads})")
+            raise UserError(f"n_kv_heads ({self.n_kv_heads}) must be a positive divisor of n_heads ({self.n_heads})")
         if any(i < 0 for i in self.dense_layers):
-            raise ValueError(f"dense_layers must hold block indices >= 0, got {list(self.dense_layers)}")
+            raise UserError(f"dense_layers must hold block indices >= 0, got {list(self.dense_layers)}")
 
     @property
     def kv_heads(self) -> int:
@@ -161,7 +162,7 @@ class Qwen3(nn.Module):
         float32 logits [b, s, vocab], or hidden states on a stage without the output projection."""
         seq_len = tokens.shape[1]
         if seq_len > self.rope_cos.shape[0]:
-            raise ValueError(
+            raise UserError(
                 f"sequence length {seq_len} exceeds the model's max_seq_len {self.rope_cos.shape[0]}; "
                 "shorten the sequences or raise max_seq_len"
             )
