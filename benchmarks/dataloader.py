@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def trainer_tokens_per_second(folder: Path, data: DataConfig, steps: int) -> flo
         "--config", "configs/llama3_debug.toml", "--training.steps", str(steps + 2),
         "--data.dataset", "shards", "--data.shards", str(folder), "--data.cache_dir", data.cache_dir,
         "--validation.enable", "false", "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
-        "--metrics.peak_tflops", "1", "--job.dump_folder", "/tmp/meshloom-dataloader-run",
+        "--metrics.peak_tflops", "1", "--job.dump_folder", tempfile.mkdtemp(prefix="meshloom-dataloader-run-"),
     ]))
     for _ in range(2):  # warm-up
         trainer.train_step()

@@ -8,8 +8,12 @@ import sys
 # command -> ("module:function" taking argv and returning an exit code, help). Imported on use, so
 # `meshloom --help` and a typo answer without importing torch.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("meshloom.train.main:main", "train a model from a TOML recipe plus --section.field overrides"),
+    "train": ("meshloom.train.main:main", "train a model from a TOML or YAML recipe plus --section.field overrides"),
     "prepare": ("meshloom.data.prepare:main", "tokenize text files or `datasets` data into memory-mapped token shards"),
+    "tokenizer": (
+        "meshloom.tools.save_tokenizer:main",
+        "save the built-in tokenizer of a run's [data] settings as a tokenizer.json for data.tokenizer",
+    ),
     "report": ("meshloom.tools.report:main", "plot the loss curves of one or more run folders to a PNG"),
     "parity": ("meshloom.tools.parity:main", "compare parallel layouts' losses with a 1-process reference"),
     "plan": ("meshloom.tools.plan:main", "rank the layouts of a GPU cluster by estimated step time; write the best as TOML"),

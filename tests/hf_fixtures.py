@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+if TYPE_CHECKING:
+    import transformers
+
+
+def require_transformers() -> Any:
+    """The transformers module, or a skip of the calling test (imported here, not at import of this file, so a
+    test module that only sometimes needs a Hugging Face folder still runs its other tests without it)."""
+    return pytest.importorskip("transformers")
 
 # The `tiny` flavour's shape, so these folders can also start training runs of model.flavor = tiny.
 TINY = dict(
@@ -25,7 +33,7 @@ def llama_config(tie: bool = False, rope_scaling: dict | None = None, **override
     values = {**TINY, "tie_word_embeddings": tie, **overrides}
     if rope_scaling is not None:
         values["rope_scaling"] = rope_scaling
-    return transformers.LlamaConfig(attn_implementation="eager", **values)
+    return require_transformers().LlamaConfig(attn_implementation="eager", **values)
 
 
 def save_random_llama(
@@ -33,7 +41,7 @@ def save_random_llama(
 ) -> "transformers.LlamaForCausalLM":
     """A random LlamaForCausalLM saved with save_pretrained (sharded with an index when max_shard_size is small)."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = require_transformers().LlamaForCausalLM(config).eval()
     with torch.no_grad():  # random norm scales too, so a swapped norm would show
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

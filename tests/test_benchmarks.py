@@ -56,3 +56,19 @@ def test_driver_runs_modes_in_child_processes_and_writes_the_table(tmp_path):
     assert row["tokens_per_s"] > 0 and row["tflops"] > 0 and 0 < row["mfu"] < 1 and 5 < row["final_loss"] < 7
     table = (out / "gpu_throughput.md").read_text()
     assert "| eager_bf16 | 2 |" in table and "1.00x" in table
+
+
+def test_overhead_benchmark_runs_its_rounds_with_its_own_model(tmp_path):
+    """benchmarks/overhead.py in a tiny mode: both loops train, the plain model has meshloom's parameter count."""
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--flavor", "tiny", "--rounds", "3",
+        "--steps-per-round", "1", "--warmup", "1", "--seq-len", "64", "--batch", "2",
+        "--data-bytes", "300000", "--vocab-size", "512", "--data-cache", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "model tiny (188,736 parameters)" in proc.stdout
+    ratios = proc.stdout.split("per-round ratios:")[1].split()
+    assert len(ratios) == 3 and all(float(r) > 0 for r in ratios)
+    assert "min " in proc.stdout and " median " in proc.stdout and "(IQR " in proc.stdout

@@ -69,10 +69,12 @@ def test_compile_and_ac_compose_with_fsdp_tp_pp_cp_and_float8_stays_near_bf16(tm
     for spec in exact:
         assert by_spec[spec].ok, (spec, by_spec[spec].max_loss_diff, by_spec[spec].grad_norm_diff)
     diff = max(abs(a - b) for a, b in zip(by_spec[bf16].curve.losses, by_spec[float8].curve.losses))
+    print(f"FSDP 2 float8 tensorwise: max |dloss| vs bf16 over 5 steps {diff:.2e}")
     assert 0 < diff <= FLOAT8_LOSS_BOUND_VS_BF16, diff
 
 
 def test_async_tp_is_a_config_error_on_cpu(tmp_path):
     argv = base_overrides(2, tmp_path) + COMPILE + ["--compile.async_tp", "true", "--job.dump_folder", str(tmp_path / "r")]
+    argv += ["--training.device", "cpu"]  # also on a GPU host (test_cuda.py runs async TP there)
     with pytest.raises(ConfigError, match=r"compile.async_tp needs CUDA GPUs .* set compile.async_tp = false"):
         Trainer(load_config(argv))

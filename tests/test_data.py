@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import logging
 import threading
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from meshloom.data.builtin_corpus import (
     Document,
     corpus_identity,
     load_documents,
+    read_corpus,
     split_documents,
     stdlib_corpus_dir,
 )
@@ -44,7 +44,7 @@ def test_builtin_corpus_is_sorted_capped_stdlib_prefix():
     assert large[0].text == (root / large[0].doc_id).read_text(encoding="utf-8")
 
 
-def test_folder_corpus_glob_skips_undecodable_and_empty(tmp_path, caplog):
+def test_folder_corpus_glob_skips_undecodable_and_empty(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "b.txt").write_text("bravo")
     (tmp_path / "sub" / "a.txt").write_text("alpha")
@@ -52,10 +52,10 @@ def test_folder_corpus_glob_skips_undecodable_and_empty(tmp_path, caplog):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\xfa not utf-8")
     (tmp_path / "c.md").write_text("not matched")
-    with caplog.at_level(logging.WARNING, logger="meshloom.data.builtin_corpus"):
-        docs = load_documents(str(tmp_path), "**/*.txt", None)
+    docs, note = read_corpus(str(tmp_path), "**/*.txt", None)
     assert docs == [Document("a.txt", "first"), Document("b.txt", "bravo"), Document("sub/a.txt", "alpha")]
-    assert "skipped 1 unreadable or non-UTF-8" in caplog.text
+    assert note == f"skipped 1 unreadable or non-UTF-8 file(s) in data.path={str(tmp_path)!r} (glob '**/*.txt')"
+    assert load_documents(str(tmp_path), "**/*.txt", None) == docs
     # max_bytes keeps whole files in sorted order: a.txt (5) + b.txt (5) fit, sub/a.txt would not.
     assert [d.doc_id for d in load_documents(str(tmp_path), "**/*.txt", 12)] == ["a.txt", "b.txt"]
 

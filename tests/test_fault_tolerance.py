@@ -139,13 +139,19 @@ def test_analyzer_on_altered_dumps_finds_late_and_mismatched_ranks_and_missing_d
     dumps = {r: json.loads((source / f"rank-{r}.json").read_text()) for r in (0, 1)}
     entries = [e for e in dumps[1]["traces"]["fr"]["entries"] if not e["is_p2p"]]
     late, mismatched = entries[4], entries[6]
-    late["time_created_ns"] += 2_500_000_000  # rank 1 reached this collective 2.5 s after rank 0
+    # The two ranks' own skew at this collective (rank 1 spins 0.3 s per step, more on a loaded machine) ...
+    rank0 = next(
+        e for e in dumps[0]["traces"]["fr"]["entries"]
+        if e["collective_seq_id"] == late["collective_seq_id"] and e["process_group"] == late["process_group"]
+    )
+    skew = (late["time_created_ns"] - rank0["time_created_ns"]) / 1e9
+    late["time_created_ns"] += 2_500_000_000  # ... plus 2.5 s: rank 1 reached this collective late
     mismatched["profiling_name"] = "gloo:broadcast"  # and called something else here
     for r, d in dumps.items():
         (tmp_path / f"rank-{r}.json").write_text(json.dumps(d))
     report = analyze(tmp_path)
     assert report.late is not None and report.late.rank == 1 and report.late.seq == late["collective_seq_id"]
-    assert 2.4 < report.late.seconds < 3.5
+    assert report.late.seconds == pytest.approx(2.5 + skew, abs=1e-6)
     group = mismatched["process_group"][0]
     assert [(m.group, m.seq, m.calls[1].split()[0]) for m in report.mismatches] == [
         (group, mismatched["collective_seq_id"], "gloo:broadcast")
@@ -153,8 +159,9 @@ def test_analyzer_on_altered_dumps_finds_late_and_mismatched_ranks_and_missing_d
     (tmp_path / "rank-1.json").unlink()
     report = analyze(tmp_path)
     assert report.no_dump == [1] and report.divergences == [] and report.culprits == [1]
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"no Flight Recorder dumps \(rank-N.json\) for any attempt under"):
-        find_dump_folder(tmp_path / "nothing")
+        find_dump_folder(tmp_path / "empty")
 
 
 def test_step_time_spread_shows_the_slow_rank(runs) -> None:

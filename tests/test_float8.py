@@ -33,6 +33,7 @@ def test_float8_recipes_convert_the_blocks_and_train_close_to_bf16(tmp_path, dat
         assert len(converted) == 2 * 7 and all(name.startswith("layers.") for name in converted), converted
         assert type(trainer.model.output) is nn.Linear  # the output projection stays in high precision
         diff = max(abs(a - b) for a, b in zip(bf16, _losses(trainer, 6)))
+        print(f"float8 {recipe}: max |dloss| vs bf16 over 6 steps {diff:.2e}")
         assert 0 < diff <= FLOAT8_LOSS_BOUND_VS_BF16, (recipe, diff)
 
 

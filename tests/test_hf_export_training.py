@@ -44,7 +44,9 @@ def _worker(cases_file: Path) -> None:
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
 
-from hf_fixtures import transformers  # noqa: E402
+from hf_fixtures import require_transformers  # noqa: E402
+
+transformers = require_transformers()  # every test here reads an export with transformers
 
 from meshloom.config.loader import ConfigError, load_config  # noqa: E402
 from meshloom.inference import loading  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_fixtures import LLAMA31_SCALING, llama_config, save_random_llama, transformers
+from hf_fixtures import LLAMA31_SCALING, llama_config, require_transformers, save_random_llama
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -76,7 +76,7 @@ def test_round_trip_hf_meshloom_hf_is_bit_identical(tmp_path: Path, dtype: torch
     assert (config_out["bos_token_id"], config_out["eos_token_id"]) == (config_in["bos_token_id"], config_in["eos_token_id"])
 
     # transformers itself reads the export and computes what meshloom computes.
-    reloaded = transformers.LlamaForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    reloaded = require_transformers().LlamaForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
     tokens = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (reloaded(tokens).logits - meshloom.from_hf(back)(tokens)).abs().max().item()

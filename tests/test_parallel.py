@@ -1,11 +1,13 @@
 """Layout validation and the launcher: bad layouts fail clearly on every rank, good runs exit 0."""
 
 import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshloom.config import ConfigError, ParallelismConfig, load_config
 from meshloom.models.registry import get_model_args, get_model_spec
@@ -57,18 +59,20 @@ def test_model_shape_checks():
     spec.check_layout(args, dims(4, tp=4))
 
 
-def _launch(nproc: int, overrides: list[str], env: dict, tmp_path) -> subprocess.CompletedProcess:
+def _launch(nproc: int, overrides: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """run_train.sh called from `cwd` (not the repository), with a recipe and folders relative to it."""
+    shutil.copy(REPO / "configs" / "llama3_debug.toml", cwd / "my.toml")
     args = [
         "--model.flavor", "tiny", "--training.steps", "3", "--training.seq_len", "64",
         "--training.local_batch_size", "2", "--data.max_bytes", "300000", "--data.vocab_size", "512",
-        "--data.cache_dir", str(tmp_path / "cache"), "--job.dump_folder", str(tmp_path / "run"),
+        "--data.cache_dir", "cache", "--job.dump_folder", "run",
         "--metrics.progress_bar", "false", "--metrics.log_freq", "1", "--metrics.peak_tflops", "1",
         "--validation.enable", "false", *overrides,
-    ]
+    ]  # fmt: skip
     env = {**env, "NPROC": str(nproc), "MESHLOOM_BIN": str(Path(sys.executable).parent)}
     return subprocess.run(
-        ["bash", str(REPO / "scripts" / "run_train.sh"), "configs/llama3_debug.toml", *args],
-        env=env, capture_output=True, text=True, timeout=300,
+        ["bash", str(REPO / "scripts" / "run_train.sh"), "--config", "my.toml", *args],
+        env=env, capture_output=True, text=True, timeout=300, cwd=cwd,
     )
 
 
@@ -76,15 +80,37 @@ def test_launcher_runs_fsdp_and_exits_zero_then_refuses_bad_layouts(subprocess_e
     ok = _launch(2, [], subprocess_env, tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert ok.stdout.count("step 3 |") == 1  # only rank 0 logs
+    # Relative paths were read from the caller's directory.
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and list((tmp_path / "cache").glob("tokens-*.npy"))
 
     too_few = _launch(2, ["--parallelism.tp", "4"], subprocess_env, tmp_path)
     assert too_few.returncode != 0
     # every rank names the problem, before any model is built
     assert too_few.stderr.count("launch a multiple of 4 ranks") >= 2, too_few.stderr[-3000:]
 
-    cuda_only = _launch(2, ["--training.device", "cuda"], subprocess_env, tmp_path)
-    assert cuda_only.returncode != 0
-    assert "training.device = 'cuda' but no CUDA device is visible" in cuda_only.stderr
+    if not torch.cuda.is_available():  # on a GPU host this layout simply trains on CUDA
+        cuda_only = _launch(2, ["--training.device", "cuda"], subprocess_env, tmp_path)
+        assert cuda_only.returncode != 0
+        assert "training.device = 'cuda' but no CUDA device is visible" in cuda_only.stderr
+
+
+def _printed_launch(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    env = {**env, "MESHLOOM_PRINT_LAUNCH": "1", "MESHLOOM_BIN": "/opt/bin", "NPROC": "2"}
+    return subprocess.run(["bash", str(REPO / "scripts" / "run_train.sh"), *args], env=env, capture_output=True, text=True, cwd=cwd)
+
+
+def test_launcher_reads_the_recipe_from_the_callers_directory(subprocess_env, tmp_path):
+    (tmp_path / "r.toml").write_text("[training]\nsteps = 2\n")
+    expected = "/opt/bin/torchrun --standalone --nproc-per-node 2 --max-restarts 0 -m meshloom.train --config r.toml --training.steps 5"
+    for recipe in (["r.toml"], ["--config", "r.toml"], ["--config=r.toml"]):
+        proc = _printed_launch([*recipe, "--training.steps", "5"], tmp_path, subprocess_env)
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, (recipe, proc.stdout, proc.stderr)
+    # Without a recipe the repository's debug recipe is used, and every argument is an override.
+    proc = _printed_launch(["--training.steps", "5"], tmp_path, subprocess_env)
+    assert f"--config {REPO / 'configs' / 'llama3_debug.toml'} --training.steps 5" in proc.stdout
+    # A recipe that is not there (here: only in the repository) is named with the directory it was looked for in.
+    proc = _printed_launch(["configs/llama3_debug.toml"], tmp_path, subprocess_env)
+    assert proc.returncode == 2 and f"config file configs/llama3_debug.toml not found (relative paths are read from {tmp_path})" in proc.stderr
 
 
 def test_tensor_parallel_keeps_a_tied_llama_output_tied():

@@ -1,4 +1,4 @@
-"""Loss parity of every supported layout against one process (fp32: 1e-5; bf16: the documented looser bound).
+"""Loss parity of every supported layout against one process (fp32: 1e-5; bf16: the bound measured in tools/parity.py).
 
 All layouts run in three torchrun launches (2, 4 and 8 ranks), so the suite pays the start-up cost once per size.
 """
@@ -13,7 +13,11 @@ from meshloom.tools.parity import BF16_TOLERANCE, FP32_TOLERANCE, compare, plot
 LAYOUTS = [
     "dp_shard=2",
     "tp=2",
+    "tp=2,loss_parallel=false",  # the output gathered, plain cross-entropy
+    "dp_replicate=2",  # pure replication (HSDP with shards of 1)
     "dp_shard=2,mixed_precision=bf16",
+    "dp_shard=2,fsdp_reduce_dtype=bfloat16",  # fp32 compute, gradients reduce-scattered in bf16
+    "tp=2,mixed_precision=bf16",  # bf16 autocast under TP (no FSDP)
     "dp_shard=4",
     "dp_replicate=2,dp_shard=2",
     "tp=4",
@@ -36,7 +40,9 @@ def test_layout_matches_one_process(parity, spec):
     _, reference, comparisons = parity
     c = comparisons[spec]
     assert len(c.curve.losses) == 10
-    tolerance = BF16_TOLERANCE if "bf16" in spec else FP32_TOLERANCE
+    tolerance = BF16_TOLERANCE if "bf16" in spec or "bfloat16" in spec else FP32_TOLERANCE
+    assert c.layout.tolerance == tolerance
+    print(f"{spec}: max |dloss| {c.max_loss_diff:.2e}, |dgrad_norm| {c.grad_norm_diff:.2e}")
     assert c.max_loss_diff <= tolerance, (spec, reference.losses, c.curve.losses)
     assert c.grad_norm_diff <= tolerance
     assert c.ok
@@ -46,8 +52,13 @@ def test_reference_learns_and_bf16_really_differs(parity):
     _, reference, comparisons = parity
     assert reference.losses[-1] < reference.losses[0] - 0.3
     assert all(math.isfinite(x) for x in reference.losses)
-    # bf16 must actually change the numbers, otherwise its bound proves nothing
-    assert comparisons["dp_shard=2,mixed_precision=bf16"].max_loss_diff > 10 * FP32_TOLERANCE
+    # bf16 must actually change the numbers, otherwise its bound proves nothing. Rounding only the reduced
+    # gradients moves the loss least (measured 1.2e-4), but still well past anything fp32 layouts do (<= 1e-6).
+    for spec in LAYOUTS:
+        if "bf16" in spec:
+            assert comparisons[spec].max_loss_diff > 10 * FP32_TOLERANCE, spec
+        elif "bfloat16" in spec:
+            assert comparisons[spec].max_loss_diff > FP32_TOLERANCE, spec
 
 
 def test_comparison_plot_is_written(parity):

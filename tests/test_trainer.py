@@ -94,7 +94,7 @@ def _fail_if_reached(*args, **kwargs):
     ],
 )
 def test_bad_input_fails_before_reading_data(tiny_args, monkeypatch, extra, message):
-    monkeypatch.setattr(data_build, "load_documents", _fail_if_reached)
+    monkeypatch.setattr(data_build, "read_corpus", _fail_if_reached)
     with pytest.raises(ValueError) as err:
         Trainer(load_config(tiny_args + extra))
     assert message in str(err.value)

@@ -1,4 +1,4 @@
-"""Build a `Config` from a TOML recipe plus `--section.field value` overrides.
+"""Build a `Config` from a TOML or YAML recipe plus `--section.field value` overrides.
 
 Every user mistake (unknown key, wrong type, value outside its choices) is a `ConfigError`
 that names the key and how to fix it, raised before anything heavy is built.
@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import sys
 import typing
 from pathlib import Path
@@ -77,11 +78,13 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
                 if lowered not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError
                 return lowered in ("true", "1", "yes")
-            if tp in (int, float):
-                return tp(value)
+            if tp is int:
+                return int(value)
+            if tp is float:
+                parsed = float(value)
         except ValueError:
             raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}; pass e.g. --{key} {_example(tp)}") from None
-        return value
+        return _finite(key, parsed) if tp is float else value
     ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -89,6 +92,13 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         raise ConfigError(
             f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}); write e.g. {key.split('.')[-1]} = {_example(tp)}"
         )
+    return _finite(key, value) if tp is float else value
+
+
+def _finite(key: str, value: float) -> float:
+    # TOML and float() both accept inf and nan; no setting means either, and a nan would pass every range check.
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value}; give an ordinary number such as {_example(float)}")
     return value
 
 
@@ -109,23 +119,77 @@ def _set(config: Config, key: str, value: Any, from_cli: bool) -> None:
     setattr(section, field_name, _coerce(key, value, types[field_name], from_cli))
 
 
-def apply_toml(config: Config, path: Path) -> None:
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _read_recipe(path: Path) -> Any:
+    """The parsed contents of a TOML or YAML recipe (by its suffix; anything else is read as TOML)."""
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; pass an existing file to --config (see configs/)")
+    text = path.read_text()
+    if path.suffix.lower() not in YAML_SUFFIXES:
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    import yaml
+
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+        # safe_load builds plain dicts, lists and scalars only: a recipe cannot construct Python objects.
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if data is None:  # an empty file or only comments, like an empty TOML file
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections (e.g. 'training:' with 'steps: 20' under it), "
+            f"got a {type(data).__name__}"
+        )
+    return data
+
+
+def _yaml_float_strings(values: dict[str, Any], section: Any) -> dict[str, Any]:
+    """PyYAML follows YAML 1.1, which reads `3e-4` (no dot) as a string: parse those for float settings."""
+    types = _field_types(type(section)) if dataclasses.is_dataclass(section) else {}
+    out = dict(values)
+    for name, value in values.items():
+        if types.get(name) is float and isinstance(value, str):
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass  # left as a string, so the usual wrong-type error names it
+    return out
+
+
+def apply_file(config: Config, path: Path) -> None:
+    """Set every `section.field` of a TOML or YAML recipe, with the same checks and messages for both."""
+    data = _read_recipe(path)
+    is_yaml = path.suffix.lower() in YAML_SUFFIXES
     for section_name, values in data.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"'{section_name}' in {path} must be a [section] table{_close_match(section_name, list(sections(config)))}")
+            raise ConfigError(
+                f"'{section_name}' in {path} must be a section of settings ([{section_name}] in TOML, "
+                f"'{section_name}:' with indented settings in YAML){_close_match(str(section_name), list(sections(config)))}"
+            )
+        if is_yaml:
+            values = _yaml_float_strings(values, getattr(config, str(section_name), None))
         for name, value in values.items():
             _set(config, f"{section_name}.{name}", value, from_cli=False)
 
 
 def help_text(config: Config | None = None) -> str:
     config = config or Config()
-    lines = ["usage: meshloom train [--config FILE.toml] [--section.field VALUE ...]", ""]
+    lines = [
+        "usage: meshloom train [--config FILE.toml|FILE.yaml] [--section.field VALUE ...]",
+        "       meshloom train --dry-run --world-size N [--config FILE] [--section.field VALUE ...]",
+        "",
+        "  --config FILE       a TOML or YAML recipe (configs/), applied before the overrides",
+        "  --dry-run           plan instead of training: build rank 0 of the run on the meta device in this one",
+        "                      process and print its per-rank memory, FLOPs and communication (nothing is allocated)",
+        "  --world-size N      with --dry-run (required there): the number of ranks of the run to plan for",
+        "",
+    ]
     for section_name, section in sections(config).items():
         lines.append(f"[{section_name}]")
         docs = field_docs(type(section))
@@ -165,15 +229,32 @@ def parse_args(argv: list[str]) -> tuple[Path | None, list[tuple[str, str]], boo
     return config_path, overrides, wants_help
 
 
+def split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate `--config FILE` and `--section.key VALUE` settings from a command's own options (prepare, tokenizer)."""
+    own, config = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+        if name == "config" or "." in name:
+            takes_value = "=" not in arg and i + 1 < len(argv)
+            config += argv[i:i + 1 + takes_value]
+            i += 1 + takes_value
+        else:
+            own.append(arg)
+            i += 1
+    return own, config
+
+
 def load_config(argv: list[str]) -> Config:
-    """TOML recipe first, then CLI overrides in order, then validation."""
+    """The TOML or YAML recipe first, then CLI overrides in order, then validation."""
     config_path, overrides, wants_help = parse_args(argv)
     if wants_help:
         print(help_text())
         raise SystemExit(0)
     config = Config()
     if config_path is not None:
-        apply_toml(config, config_path)
+        apply_file(config, config_path)
     for key, value in overrides:
         _set(config, key, value, from_cli=True)
     validate(config)

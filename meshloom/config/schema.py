@@ -114,6 +114,10 @@ class OptimizerConfig:
     """Muon only: per-matrix learning-rate scale, 0.2*sqrt(max(m, n)) so updates match AdamW's RMS (reuse AdamW's lr and
     weight decay), or sqrt(max(1, m/n)) as in the original Muon (wants a larger muon_lr)."""
 
+    qk_clip_threshold: float = 0.0
+    """QK-clip (Kimi K2's MuonClip) with any optimizer: after each update, scale the query and key rows of every attention
+    head whose largest logit (q.k/sqrt(head_dim)) this step exceeded tau down to at most tau; 0 = off (K2 used 100)."""
+
 
 @dataclass
 class LRSchedulerConfig:
@@ -288,7 +292,8 @@ class MetricsConfig:
     """Show a progress bar in the console."""
 
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device for MFU; 0 = GPU table, or a short matmul measurement on CPU."""
+    """Peak dense TFLOP/s of one device for MFU; 0 = the GPU table, or on CPU a matmul measurement made once per machine
+    and kept in ~/.cache/meshloom/cpu_peak.json (MESHLOOM_REFRESH_CPU_PEAK=1 measures again), so MFU is stable."""
 
 
 @dataclass

@@ -40,6 +40,7 @@ def validate(config: Config) -> None:
         1 <= o.muon_ns_steps < 100,
         f"optimizer.muon_ns_steps must lie in [1, 100) (5 is the usual), got {o.muon_ns_steps}",
     )
+    _require(o.qk_clip_threshold >= 0, f"optimizer.qk_clip_threshold must be >= 0 (0 = off), got {o.qk_clip_threshold}")
     _require(lr.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {lr.warmup_steps}")
     _require(0 < lr.decay_ratio <= 1, f"lr_scheduler.decay_ratio must lie in (0, 1], got {lr.decay_ratio}")
     _require(0 <= lr.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must lie in [0, 1], got {lr.min_lr_ratio}")

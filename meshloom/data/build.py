@@ -6,22 +6,25 @@ shards (folders made by `meshloom prepare`, see shards.py) or streaming (streami
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import DataConfig
-from meshloom.data.builtin_corpus import Document, load_documents, split_documents
+from meshloom.data.builtin_corpus import Document, read_corpus, split_documents
 from meshloom.data.loader import Batch, PackedDataset, StatefulLoader, tokenize_corpus
 from meshloom.data.shard_format import ShardSet
 from meshloom.data.shards import build_shard_loaders, check_shard_folders
 from meshloom.data.streaming import ReplayedLoader, StreamingLoader, stream_files
 from meshloom.data.tokenizer import Tokenizer, build_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class Loader(Protocol):
@@ -69,16 +72,36 @@ def state_reshards(config: DataConfig) -> bool:
     return config.dataset != "streaming"
 
 
-def _corpus_tokenizer(config: DataConfig, train_docs: list[Document]) -> Tokenizer:
-    return build_tokenizer(config.tokenizer, lambda: [text for _, text in train_docs], config.vocab_size, cache_dir(config))
+class _NoteOnce:
+    """Logs a corpus's note on skipped files the first time a cache is built from it, so it is said once per corpus
+    (when its tokenizer or tokens are first cached) rather than at every start."""
+
+    def __init__(self, note: str | None):
+        self.note = note
+
+    def __call__(self) -> None:
+        if self.note:
+            logger.warning(self.note)
+            self.note = None
 
 
-def run_tokenizer(config: DataConfig) -> Tokenizer:
-    """The tokenizer a run with these settings uses; `builtin` is trained on the data.path corpus's training split."""
+def _corpus_tokenizer(config: DataConfig, train_docs: list[Document], on_train: Callable[[], None] | None = None) -> Tokenizer:
+    return build_tokenizer(
+        config.tokenizer, lambda: [text for _, text in train_docs], config.vocab_size, cache_dir(config), on_train=on_train
+    )
+
+
+def run_tokenizer(config: DataConfig, note_skipped_files: bool = False) -> Tokenizer:
+    """The tokenizer a run with these settings uses; `builtin` is trained on the data.path corpus's training split.
+
+    note_skipped_files: say which corpus files were unreadable when the tokenizer is first trained (a training
+    run does; `meshloom prepare`, whose own inputs are other files, does not).
+    """
     if config.tokenizer != "builtin":
         return build_tokenizer(config.tokenizer, [], config.vocab_size, cache_dir(config))
-    docs = load_documents(config.path or None, config.glob, config.max_bytes or None)
-    return _corpus_tokenizer(config, split_documents(docs, config.validation_fraction)[0])
+    corpus = read_corpus(config.path or None, config.glob, config.max_bytes or None)
+    note = _NoteOnce(corpus.skipped_note) if note_skipped_files else None
+    return _corpus_tokenizer(config, split_documents(corpus.docs, config.validation_fraction)[0], note)
 
 
 def build_data(
@@ -86,7 +109,7 @@ def build_data(
 ) -> DataBundle:
     if config.dataset == "builtin":
         return _builtin_data(config, seq_len, local_batch_size, dp_rank, dp_size, seed, with_validation)
-    tokenizer = run_tokenizer(config)
+    tokenizer = run_tokenizer(config, note_skipped_files=True)
     if config.dataset == "shards":
 
         def check_tokenizer(shards: ShardSet) -> None:
@@ -122,17 +145,18 @@ def _document_starts(tokens: np.ndarray, tokenizer: Tokenizer) -> np.ndarray:
 def _builtin_data(
     config: DataConfig, seq_len: int, local_batch_size: int, dp_rank: int, dp_size: int, seed: int, with_validation: bool
 ) -> DataBundle:
-    docs = load_documents(config.path or None, config.glob, config.max_bytes or None)
-    train_docs, val_docs = split_documents(docs, config.validation_fraction)
+    corpus = read_corpus(config.path or None, config.glob, config.max_bytes or None)
+    train_docs, val_docs = split_documents(corpus.docs, config.validation_fraction)
     cache = cache_dir(config)
-    tokenizer = _corpus_tokenizer(config, train_docs)
+    note = _NoteOnce(corpus.skipped_note)
+    tokenizer = _corpus_tokenizer(config, train_docs, note)
     global_microbatch = local_batch_size * dp_size
     mask = config.document_mask
 
     def packed(tokens: np.ndarray) -> PackedDataset:
         return PackedDataset(tokens, seq_len, _document_starts(tokens, tokenizer) if mask else None)
 
-    train_tokens = tokenize_corpus(tokenizer, train_docs, cache)
+    train_tokens = tokenize_corpus(tokenizer, train_docs, cache, note)
     if (len(train_tokens) - 1) // seq_len < global_microbatch:
         raise ConfigError(
             f"the corpus yields {(len(train_tokens) - 1) // seq_len} sequences of training.seq_len={seq_len}, fewer than "
@@ -143,7 +167,7 @@ def _builtin_data(
 
     validation = None
     if with_validation and val_docs:
-        val_tokens = tokenize_corpus(tokenizer, val_docs, cache)
+        val_tokens = tokenize_corpus(tokenizer, val_docs, cache, note)
         # A held-out split too small for one batch is skipped rather than fatal.
         if (len(val_tokens) - 1) // seq_len >= global_microbatch:
             validation = StatefulLoader(packed(val_tokens), local_batch_size, dp_rank, dp_size, seed + 1, document_mask=mask)

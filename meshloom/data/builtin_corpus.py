@@ -8,13 +8,10 @@ read in a fixed (sorted) order, so a run started anywhere sees the same data.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import sysconfig
 from pathlib import Path
 from typing import NamedTuple
-
-logger = logging.getLogger(__name__)
 
 # Directories that hold third-party or generated code rather than the stdlib.
 _SKIP_DIR_NAMES = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -49,7 +46,19 @@ def _glob_files(root: Path, glob: str) -> list[Path]:
     return [p for p in root.glob(glob) if p.is_file()]
 
 
+class Corpus(NamedTuple):
+    """The documents of a corpus, and a note on the files that were skipped (None when none were)."""
+
+    docs: list[Document]
+    skipped_note: str | None
+
+
 def load_documents(path: str | None, glob: str, max_bytes: int | None) -> list[Document]:
+    """The documents of `read_corpus`, without the note on skipped files."""
+    return read_corpus(path, glob, max_bytes).docs
+
+
+def read_corpus(path: str | None, glob: str, max_bytes: int | None) -> Corpus:
     """Read the documents of a corpus, in sorted relative-path order.
 
     path: a folder of text files; None or "" selects the built-in corpus (stdlib
@@ -60,7 +69,8 @@ def load_documents(path: str | None, glob: str, max_bytes: int | None) -> list[D
       larger one). None reads everything.
 
     Files that are not valid UTF-8 or cannot be read are skipped and counted in
-    a warning; empty files are skipped silently.
+    `skipped_note`; empty files are skipped silently. The caller decides when the
+    note is worth printing (data/build.py: once, when the corpus is first cached).
     """
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"data.max_bytes must be positive or unset, got {max_bytes}")
@@ -103,8 +113,7 @@ def load_documents(path: str | None, glob: str, max_bytes: int | None) -> list[D
         if text:
             docs.append(Document(doc_id, text))
 
-    if skipped:
-        logger.warning("skipped %d unreadable or non-UTF-8 file(s) in %s", skipped, where)
+    note = f"skipped {skipped} unreadable or non-UTF-8 file(s) in {where}" if skipped else None
     if not docs:
         if capped:
             raise ValueError(
@@ -115,7 +124,7 @@ def load_documents(path: str | None, glob: str, max_bytes: int | None) -> list[D
             f"data.path: no readable, non-empty UTF-8 files in {where} "
             f"({len(rel)} matched, {skipped} unreadable); check data.path and data.glob"
         )
-    return docs
+    return Corpus(docs, note)
 
 
 def corpus_identity(docs: list[Document]) -> str:

@@ -11,11 +11,12 @@ sit at each position of its global order.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ import torch
 from meshloom.data.builtin_corpus import Document, corpus_identity
 from meshloom.data.encoding import encode_texts, token_dtype
 from meshloom.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _ENCODE_CHUNK_DOCS = 256  # bounds peak memory of Python id lists while tokenizing
 
@@ -58,20 +61,25 @@ def token_cache_path(tokenizer: Tokenizer, docs: list[Document], cache_dir: Path
     return Path(cache_dir) / f"tokens-{key}.npy"
 
 
-def tokenize_corpus(tokenizer: Tokenizer, docs: list[Document], cache_dir: Path) -> np.ndarray:
+def tokenize_corpus(
+    tokenizer: Tokenizer, docs: list[Document], cache_dir: Path, on_build: Callable[[], None] | None = None
+) -> np.ndarray:
     """All documents as one token stream: [bos] + ids + [eos] per document, in order.
 
     The result is cached in cache_dir keyed by the tokenizer identity and the
     corpus identity; a cached stream is memory-mapped read-only. Several ranks
     may call this at once: each writes a private temp file and renames it into
-    place, so readers only ever see a complete file.
+    place, so readers only ever see a complete file. A cached file that is
+    damaged (truncated, wrong dtype, ids outside the vocabulary) is rebuilt,
+    with one line saying so. `on_build` is called whenever the stream is built.
     """
     dtype = token_dtype(tokenizer.vocab_size)
     path = token_cache_path(tokenizer, docs, cache_dir)
     if path.exists():
-        tokens = np.load(path, mmap_mode="r")
-        assert tokens.dtype == dtype and tokens.ndim == 1, f"unexpected token cache {path}"
-        return tokens
+        problem = _token_cache_problem(path, dtype, tokenizer.vocab_size)
+        if problem is None:
+            return np.load(path, mmap_mode="r")
+        logger.warning("token cache %s %s; rebuilding it", path, problem)
 
     tokens = _encode_docs(tokenizer, docs, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +90,35 @@ def tokenize_corpus(tokenizer: Tokenizer, docs: list[Document], cache_dir: Path)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    if on_build is not None:
+        on_build()
     return tokens
+
+
+_NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _token_cache_problem(path: Path, dtype: np.dtype, vocab_size: int) -> str | None:
+    """What is wrong with a cached token file, or None when its header, size and ids are sound."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version not in _NPY_HEADER_READERS:
+                return f"has .npy format version {version}, which np.save does not write for a token stream"
+            shape, fortran, stored = _NPY_HEADER_READERS[version](f)
+            offset = f.tell()
+        size = path.stat().st_size
+    except (OSError, ValueError, EOFError) as err:
+        return f"is not a readable .npy file ({err})"
+    if stored != dtype or len(shape) != 1 or fortran:
+        return f"holds {stored} with shape {shape}, not a 1-D {dtype} token stream"
+    expected = offset + shape[0] * dtype.itemsize
+    if size != expected:
+        return f"has {size:,} bytes where its header promises {expected:,} (truncated or appended to)"
+    tokens = np.load(path, mmap_mode="r")
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        return f"holds id {int(tokens.max())}, outside the tokenizer's {vocab_size} ids"
+    return None
 
 
 class PackedDataset:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from meshloom.config.loader import load_config, split_config_args
 from meshloom.config.schema import DataConfig
 from meshloom.data.documents import BAD_INPUT_KINDS, BadInputPolicy, Record, Source, bad, empty_counts, expand_inputs
 from meshloom.data.encoding import encode_task, encode_texts, init_worker, token_dtype
@@ -325,23 +326,6 @@ def _skipped_text(skipped: dict[str, int]) -> str:
 # ---------------------------------------------------------------- command line
 
 
-def _split_config_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Separate `--config FILE` and `--section.key VALUE` (the [data] settings) from prepare's own options."""
-    own, config = [], []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
-        if name == "config" or "." in name:
-            takes_value = "=" not in arg and i + 1 < len(argv)
-            config += argv[i:i + 1 + takes_value]
-            i += 1 + takes_value
-        else:
-            own.append(arg)
-            i += 1
-    return own, config
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
@@ -349,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Tokenize .jsonl/.json/.parquet/.txt files, folders of them, `datasets` save_to_disk folders "
         "or hf:NAME datasets into memory-mapped token shards.",
         epilog="The tokenizer, text field and bad-input policy are the [data] settings of a run: pass "
-        "--config FILE.toml and --data.KEY VALUE overrides (data.tokenizer, data.vocab_size, data.text_field, "
+        "--config FILE (TOML or YAML) and --data.KEY VALUE overrides (data.tokenizer, data.vocab_size, data.text_field, "
         "data.bad_input, ...) as for `meshloom train`, so the shards match the run that reads them.",
     )
     parser.add_argument("inputs", nargs="+", help="files, folders, save_to_disk folders or hf:NAME")
@@ -361,10 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-after", type=int, default=None, metavar="N", help="write at most N new shards, then stop; rerun to continue")
     parser.add_argument("--verify", action="store_true", help="check finished shards' sha256 before resuming, not only their sizes")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    own, config_args = _split_config_args(argv)
+    own, config_args = split_config_args(argv)
     args = parser.parse_args(own)
     try:
-        from meshloom.config.loader import load_config
         from meshloom.data.build import run_tokenizer
 
         data = load_config(config_args).data

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Callable
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_BOS = "<|bos|>"
 BUILTIN_EOS = "<|eos|>"
@@ -84,6 +87,10 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        """The tokenizer as a Hugging Face tokenizer.json, which data.tokenizer = PATH reads back to the same ids."""
+        return self._tok.to_str(pretty=True)
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -163,6 +170,7 @@ def _builtin(
     vocab_size: int,
     cache_dir: Path,
     texts_id: str | None,
+    on_train: Callable[[], None] | None = None,
 ) -> Tokenizer:
     if vocab_size < 256 + 2:
         raise ValueError(
@@ -177,16 +185,33 @@ def _builtin(
     key = _digest("builtin-bpe-v1", texts_id, str(vocab_size))[:20]
     cache_dir = Path(cache_dir)
     cached = cache_dir / f"tokenizer-{key}.json"
-    if cached.exists():
-        tok = tokenizers.Tokenizer.from_file(str(cached))
-    else:
+    tok = _read_cached_bpe(cached) if cached.exists() else None
+    if tok is None:
         texts = train_texts() if callable(train_texts) else train_texts
         tok = train_bpe(list(texts), vocab_size)
         cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(cached, tok.to_str().encode("utf-8"))
+        if on_train is not None:
+            on_train()
     bos, eos = tok.token_to_id(BUILTIN_BOS), tok.token_to_id(BUILTIN_EOS)
     assert bos is not None and eos is not None, "built-in BPE lost its special tokens"
     return HFTokenizer(tok, bos, eos, identity=f"builtin-bpe:{_digest(tok.to_str())[:20]}")
+
+
+def _read_cached_bpe(path: Path) -> tokenizers.Tokenizer | None:
+    """A cached built-in BPE, or None (with one line saying so) when the file is damaged and must be trained again.
+
+    The cache is ours and training is deterministic, so a truncated or edited file is simply replaced.
+    """
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+        problem = None if tok.token_to_id(BUILTIN_BOS) == 0 and tok.token_to_id(BUILTIN_EOS) == 1 else "lacks <|bos|>/<|eos|>"
+    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+        problem = f"cannot be read ({str(err).splitlines()[0][:120] if str(err) else type(err).__name__})"
+    if problem is None:
+        return tok
+    logger.warning("tokenizer cache %s %s; training the tokenizer again", path, problem)
+    return None
 
 
 def _find_id(tok: tokenizers.Tokenizer, names: tuple[str, ...]) -> int | None:
@@ -252,6 +277,7 @@ def build_tokenizer(
     cache_dir: Path,
     *,
     texts_identity: str | None = None,
+    on_train: Callable[[], None] | None = None,
 ) -> Tokenizer:
     """Build the tokenizer named by `spec` (the `data.tokenizer` setting).
 
@@ -259,12 +285,13 @@ def build_tokenizer(
       in cache_dir under a key of (texts identity, vocab_size); a second call loads
       the cached file without training (and without calling `train_texts` when it
       is a callable, so pass `texts_identity`, e.g. corpus_identity(train_docs)).
+      A damaged cache file is trained again; `on_train` is called after any training.
     spec "*.json": a Hugging Face tokenizer.json.
     any other path: a tiktoken BPE file (regex and special tokens of Meta's 128K-vocabulary release).
     `vocab_size` only applies to "builtin"; read `.vocab_size` of the result.
     """
     if spec == "builtin":
-        return _builtin(train_texts, vocab_size, cache_dir, texts_identity)
+        return _builtin(train_texts, vocab_size, cache_dir, texts_identity, on_train)
     path = Path(spec).expanduser()
     if not path.is_file():
         raise ValueError(

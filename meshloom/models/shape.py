@@ -24,6 +24,9 @@ class ParamShape:
     tp_dim: int | None = None
     # A stack of routed experts on dim 0: split over expert-parallel ranks, each token uses top_k of them.
     expert: bool = False
+    # A matrix that stays on AdamW under optimizer.name = "Muon" (embeddings, the output head, routers: the family's
+    # ModelSpec.adamw_only names the same ones), so its state is two moments, not Muon's one momentum buffer.
+    adamw: bool = False
 
     @property
     def numel(self) -> int:
@@ -71,14 +74,14 @@ class ShapeModel(ABC):
 
     def root_params(self, first: bool, last: bool) -> list[ParamShape]:
         """The embedding on the first pipeline stage; the final norm and the output projection on the last (a
-        tied output is the embedding, and lives where the embedding does)."""
+        tied output is the embedding, and lives where the embedding does). Both tables stay on AdamW under Muon."""
         shapes = []
         if first:
-            shapes.append(ParamShape((self.vocab_size, self.dim), 0))
+            shapes.append(ParamShape((self.vocab_size, self.dim), 0, adamw=True))
         if last:
             shapes.append(ParamShape((self.dim,)))
             if not self.tie_embeddings or not first:
-                shapes.append(ParamShape((self.vocab_size, self.dim), 0))
+                shapes.append(ParamShape((self.vocab_size, self.dim), 0, adamw=True))
         return shapes
 
     def is_moe_block(self, layer: int) -> bool:

@@ -29,6 +29,7 @@ from meshloom.models.shape import ShapeModel
 
 if TYPE_CHECKING:
     from meshloom.config.schema import Config
+    from meshloom.models.common.qk_clip import QKClipTarget
     from meshloom.models.hf_adapter import HFAdapter
     from meshloom.parallel.dims import ParallelDims
 
@@ -54,6 +55,10 @@ class ModelSpec:
     adamw_only: Callable[[str], bool] = lambda name: False
     # Auxiliary losses the model computes itself in training (see the module docstring): name -> weight.
     aux_losses: Callable[[Any], Mapping[str, float]] = lambda args: {}
+    # QK-clip (optimizer.qk_clip_threshold): the attention layers of a model part whose query and key projections hold
+    # each head's rows contiguously, to track and rescale per head; None = the family's attention does not factor per
+    # head (latent or normalised q/k), and QK-clip is refused.
+    qk_clip: Callable[[nn.Module], list[QKClipTarget]] | None = None
 
     @property
     def args_cls(self) -> type:

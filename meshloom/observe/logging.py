@@ -20,7 +20,7 @@ _CONSOLE_FORMATS: dict[str, tuple[str, str]] = {
     "grad_norm": ("grad_norm", "{:.3g}"),
     "lr": ("lr", "{:.1e}"),
     "tokens_per_second": ("tok/s", "{:,.0f}"),
-    "tflops": ("tflops", "{:.2f}"),
+    "tflops": ("tflops", "{:.3g}"),  # 3 significant digits: a CPU's 0.0123 must not print as 0.01 or 0.00
     "mfu_pct": ("mfu", "{:.1f}%"),
     "memory_gib": ("mem", "{:.2f} GiB"),
 }
@@ -31,7 +31,10 @@ def format_metrics_line(step: int, metrics: dict[str, float]) -> str:
     parts = [f"step {step}"]
     for key, (label, fmt) in _CONSOLE_FORMATS.items():
         if key in metrics:
-            parts.append(f"{label} {fmt.format(metrics[key])}")
+            value = metrics[key]
+            # Past 3 digits .3g would switch to 1.23e+03; whole numbers read better there.
+            text = f"{value:,.0f}" if fmt == "{:.3g}" and abs(value) >= 1000 else fmt.format(value)
+            parts.append(f"{label} {text}")
     for key, value in metrics.items():
         if key not in _CONSOLE_FORMATS and "/" not in key:
             # Losses read best with fixed decimals; other extras are of unknown scale.

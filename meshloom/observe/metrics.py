@@ -9,14 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import json
+import math
+import os
+import platform
 import re
 import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 # Name of the config setting that overrides the peak, quoted in messages so users know what to set.
 PEAK_OVERRIDE_SETTING = "metrics.peak_tflops"
@@ -91,31 +97,111 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-# Measured CPU rates, keyed by (dtype, thread count): measuring costs ~0.2 s, so do it once.
+# Measured CPU rates of this process, keyed by (dtype, thread count); the file cache below keeps them across runs.
 _CPU_PEAK_CACHE: dict[tuple[torch.dtype, int], float] = {}
 _WARNED_UNKNOWN: set[str] = set()
+# Set to 1 to measure the CPU peak again and overwrite the cached figure (e.g. after a change of machine load).
+CPU_PEAK_REFRESH_ENV = "MESHLOOM_REFRESH_CPU_PEAK"
+CPU_PEAK_FILE = "cpu_peak.json"
 
 
 def measure_cpu_matmul_flops(
-    dtype: torch.dtype = torch.float32, size: int = 512, budget_s: float = 0.2
+    dtype: torch.dtype = torch.float32, sizes: tuple[int, ...] = (256, 512, 1024), budget_s: float = 0.3, repeats: int = 10
 ) -> float:
-    """Best-of-a-few dense matmul rate on this CPU in FLOPs/s (an estimate, not a datasheet peak)."""
+    """Best dense matmul rate on this CPU in FLOPs/s over a few square sizes (an estimate, not a datasheet peak).
+
+    The product is F.linear (x @ W^T), the op every layer runs: with torch 2.13's CPU kernels a bf16 torch.mm of two
+    row-major matrices is about 10x slower than F.linear, so timing it would put the peak below what a model reaches.
+
+    Each product is timed by wall clock and by this process's CPU time (all threads); the shorter counts. Neither is
+    below the time the product takes on an idle machine, but with one thread the CPU time leaves out the time spent
+    descheduled by other jobs, which is not the CPU's speed. The largest size is not always the fastest (CPU bf16
+    kernels without hardware support slow down past the caches), so every size is tried until one product alone
+    takes longer than `budget_s`.
+    """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         dtype = torch.float32
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(dtype)
-    b = torch.randn(size, size, generator=gen).to(dtype)
-    flops = 2.0 * size**3
-    torch.mm(a, b)  # warm-up: first call pays for kernel selection and page faults
-    best = float("inf")
-    start = time.perf_counter()
-    for _ in range(8):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s:
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size, generator=gen).to(dtype)
+        b = torch.randn(size, size, generator=gen).to(dtype)
+        flops = 2.0 * size**3
+        first = time.perf_counter()
+        F.linear(a, b)  # warm-up: first call pays for kernel selection and page faults
+        first = time.perf_counter() - first
+        start = time.perf_counter()
+        for _ in range(repeats):
+            wall, cpu = time.perf_counter(), time.process_time()
+            F.linear(a, b)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            best = max(best, flops / max(min(wall, cpu), 1e-9))
+            if time.perf_counter() - start > budget_s:
+                break
+        if first > budget_s:
             break
-    return flops / max(best, 1e-9)
+    return best
+
+
+def cpu_peak_cache_file() -> Path:
+    """Where measured CPU peaks are kept: $XDG_CACHE_HOME/meshloom (default ~/.cache/meshloom)/cpu_peak.json."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshloom" / CPU_PEAK_FILE
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_peak_key(dtype: torch.dtype) -> str:
+    """One cached figure per CPU model, thread count, torch version and dtype."""
+    return f"{_cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
+
+
+def _machine_is_busy() -> bool:
+    """More runnable processes than cores over the last minute (the load average), where one is known."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
+
+
+def cached_cpu_peak(dtype: torch.dtype) -> float:
+    """The CPU matmul peak from the per-machine cache file, measured (under a second) and stored when missing.
+
+    Measuring once per machine makes MFU comparable between identical runs: a figure re-measured at every start
+    moves with whatever else the machine is doing. It is stored only when the load average is below the core count,
+    so a busy machine measures per run until a quieter one stores it. MESHLOOM_REFRESH_CPU_PEAK=1 measures again.
+    """
+    refresh = os.environ.get(CPU_PEAK_REFRESH_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    key = cpu_peak_key(dtype)
+    path = cpu_peak_cache_file()
+    try:
+        cached = json.loads(path.read_text())
+        if not isinstance(cached, dict):
+            cached = {}
+    except (OSError, ValueError):
+        cached = {}
+    value = cached.get(key)
+    if refresh or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        value = measure_cpu_matmul_flops(dtype)
+        if _machine_is_busy():
+            # A figure taken while other jobs crowd the cores would stay too low; such a run keeps it to itself.
+            return float(value)
+        cached[key] = value
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks may write at once: rename is atomic
+            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as err:  # a read-only home still trains; the figure is then measured per run
+            warnings.warn(f"cannot cache the CPU peak in {path}: {err}", stacklevel=2)
+    return float(value)
 
 
 def peak_flops_per_second(
@@ -126,8 +212,9 @@ def peak_flops_per_second(
     - `override_tflops` (dense TFLOPs per device) always wins.
     - CUDA/ROCm: looked up by device name in a table of dense bf16 / TF32 figures.
       Unknown GPUs emit a warning once and return 0.0 rather than guessing.
-    - CPU: a brief matmul measurement in `dtype` (cached per process). This is an estimate of
-      attainable matmul throughput, so CPU "MFU" is relative to that, not to a datasheet.
+    - CPU: a matmul measurement in `dtype`, made once per machine (CPU model, threads, torch version) and
+      kept in ~/.cache/meshloom/cpu_peak.json (`cached_cpu_peak`; MESHLOOM_REFRESH_CPU_PEAK=1 measures again).
+      This is an estimate of attainable matmul throughput, so CPU "MFU" is relative to that, not to a datasheet.
     """
     if override_tflops is not None:
         if override_tflops <= 0:
@@ -141,7 +228,7 @@ def peak_flops_per_second(
     if device.type == "cpu":
         key = (dtype, torch.get_num_threads())
         if key not in _CPU_PEAK_CACHE:
-            _CPU_PEAK_CACHE[key] = measure_cpu_matmul_flops(dtype)
+            _CPU_PEAK_CACHE[key] = cached_cpu_peak(dtype)
         return _CPU_PEAK_CACHE[key]
 
     if device.type == "cuda":

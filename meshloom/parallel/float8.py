@@ -20,12 +20,13 @@ from torch import nn
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Float8Config
 
-# How far the loss of a Float8 run may drift from the same run in bf16 over a few steps of the tiny test model
-# (the parity harness's settings: seq 64, batch 8, lr 1e-2). Float8 (e4m3) keeps 3 mantissa bits to bf16's 7,
-# so each matmul is noisier and the runs slowly part; measured on CPU over 10 steps: 2.1e-3 (tensorwise) and
-# 5.6e-3 (rowwise, whose scales are rounded to powers of 2). The bound leaves ~4x room; a broken cast or
-# scale moves the loss by far more.
-FLOAT8_LOSS_BOUND_VS_BF16 = 2e-2
+# How far the loss of a Float8 run may drift from the same run in bf16 over the few steps the tests train (the parity
+# harness's tiny model: seq 64, batch 8, lr 1e-2). Float8 (e4m3) keeps 3 mantissa bits to bf16's 7, so each matmul
+# is noisier and the runs slowly part. Measured on CPU (torch 2.13, torchao, 2026-11-30), max |dloss| vs bf16:
+# 1 process over 6 steps 1.7e-3 (tensorwise) and 2.5e-3 (rowwise); FSDP 2 over 5 steps 1.1e-3 and 1.3e-3. The bound
+# is twice the largest. The drift keeps growing with steps (5.4e-3 after 10), so it holds for a few steps only;
+# a broken cast or scale moves the loss by far more.
+FLOAT8_LOSS_BOUND_VS_BF16 = 5e-3
 # Float8 matmuls need both dims of the weight to be multiples of this.
 FLOAT8_DIM_MULTIPLE = 16
 # Only the blocks' linears (`layers.<i>...`, the ModelSpec contract) are converted: the embedding and the

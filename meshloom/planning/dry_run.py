@@ -84,7 +84,9 @@ def dry_run(config: Config, world_size: int) -> DryRunReport:
         if own_group:
             dist.destroy_process_group()
     tc = config.training
-    memory = estimate_memory(shape, layout, tc.seq_len, precision, config.parallelism.loss_parallel)
+    memory = estimate_memory(
+        shape, layout, tc.seq_len, precision, config.parallelism.loss_parallel, optimizer=config.optimizer.name
+    )
     model_flops, executed_flops = step_flops(shape, layout, tc.seq_len)
     comm = step_comm_bytes(shape, layout, tc.seq_len, precision)
     rank_params = estimate_memory(shape, layout, tc.seq_len, precision, stage_index=0).params

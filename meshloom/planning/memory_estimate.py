@@ -7,7 +7,9 @@ What one rank holds, by kind:
   are split over ep first and FSDP-sharded over what dp_shard x cp leaves;
 - gradients: the same shapes in fp32 once reduced; while FSDP accumulates over microbatches without
   syncing, it keeps them unsharded instead;
-- optimizer: AdamW's two fp32 moments per parameter;
+- optimizer: AdamW's two fp32 moments per parameter; under Muon one fp32 momentum buffer per element of the matrices
+  Muon updates (every matrix the shape model does not mark `adamw`), two moments for the rest. Newton-Schulz's
+  transient bf16 copies of whole matrices on their owner ranks are not counted;
 - gathered: FSDP's unsharded copies in the compute dtype (two blocks in flight, plus the root's embedding
   and output, which stay gathered from forward to backward), or autocast's bf16 weight copies without FSDP;
 - activations: the peak of what autograd keeps for backward, counted tensor by tensor from the model code
@@ -32,6 +34,8 @@ from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
 
 ADAM_MOMENTS = 2
+MUON_MOMENTS = 1
+OPTIMIZERS = ("AdamW", "Muon")
 GIB = 2**30
 
 
@@ -80,6 +84,17 @@ def local_numel(shapes: list[ParamShape], layout: Layout, fsdp: int | None = Non
         local[0] = _split(local[0], shard)
         total += math.prod(local)
     return total
+
+
+def optimizer_state_numel(shapes: list[ParamShape], layout: Layout, optimizer: str) -> int:
+    """Elements of optimizer state one rank keeps for `shapes` (0-d step counters left out)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"no memory model for optimizer {optimizer!r}; estimates cover {', '.join(OPTIMIZERS)}")
+    if optimizer == "AdamW":
+        return ADAM_MOMENTS * local_numel(shapes, layout)
+    muon = [p for p in shapes if len(p.shape) >= 2 and not p.adamw]
+    adamw = [p for p in shapes if len(p.shape) < 2 or p.adamw]
+    return MUON_MOMENTS * local_numel(muon, layout) + ADAM_MOMENTS * local_numel(adamw, layout)
 
 
 def stage_layer_counts(n_layers: int, pp: int) -> list[int]:
@@ -176,9 +191,10 @@ def estimate_memory(
     loss_parallel: bool = True,
     with_optimizer: bool = True,
     stage_index: int | None = None,
+    optimizer: str = "AdamW",
 ) -> MemoryEstimate:
     """Per-rank memory of the busiest rank of `layout` training the model `shape` describes on `seq_len`-token
-    sequences (or of the ranks of pipeline stage `stage_index`)."""
+    sequences (or of the ranks of pipeline stage `stage_index`) with `optimizer` (optimizer.name)."""
     tokens = layout.microbatch_size * seq_len / layout.cp
     a = precision.compute_bytes
     fsdp = layout.fsdp
@@ -194,7 +210,9 @@ def estimate_memory(
         gathered_blocks = sorted((local_numel(block, layout, fsdp=1) for block in blocks), reverse=True)
         full_elems = sum(gathered_blocks) + local_numel(roots, layout, fsdp=1)  # unsharded over FSDP
         params = FP32 * param_elems
-        optimizer = ADAM_MOMENTS * FP32 * param_elems if with_optimizer else 0
+        state_elems = sum(optimizer_state_numel(block, layout, optimizer) for block in blocks)
+        state_elems += optimizer_state_numel(roots, layout, optimizer)
+        optimizer_bytes = FP32 * state_elems if with_optimizer else 0
         grads = FP32 * param_elems
         if layout.tp > 1 and not sharded_data_parallel and stage.first:
             # DTensor's embedding backward returns the table's gradient replicated, not vocabulary-sharded
@@ -238,8 +256,8 @@ def estimate_memory(
         grads_during_forward = grads if (accumulate or layout.pp > 1) else 0
         forward_end = max(int(saved) + transient, activations) + gathered + grads_during_forward
         backward_end = grads + gathered
-        peak = params + optimizer + max(forward_end, backward_end)
-        estimate = MemoryEstimate(params, grads, optimizer, gathered, activations, transient, peak)
+        peak = params + optimizer_bytes + max(forward_end, backward_end)
+        estimate = MemoryEstimate(params, grads, optimizer_bytes, gathered, activations, transient, peak)
         if best is None or estimate.peak > best.peak:
             best = estimate
     assert best is not None

@@ -23,6 +23,7 @@ from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.float8 import check_float8_config
 from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline
 from meshloom.observe.profiler import check_profiling_config
+from meshloom.train.qk_clip import check_qk_clip_config
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RunPlan:
         grad_accum_steps = _grad_accum_steps(config, dims.dp)
         check_activation_checkpoint_config(config.activation_checkpoint, config.compile.enable)
         check_profiling_config(config.profiling)
+        check_qk_clip_config(config, spec, dims)
         if device is not None:
             check_compile_config(config.compile, device, dims.tp)
             if config.float8.enable:

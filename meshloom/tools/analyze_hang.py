@@ -98,6 +98,10 @@ class HangReport:
 def find_dump_folder(path: Path, attempt: int | None = None) -> Path:
     """A run folder, its flight_recorder/ folder or one attempt folder -> the folder holding rank-*.json."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; pass the run folder (job.dump_folder) of the failed run")
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file; pass the run folder (job.dump_folder) of the failed run")
     if any(_RANK_FILE.fullmatch(p.name) for p in path.glob("rank-*.json")):
         return path
     base = path / FOLDER if (path / FOLDER).is_dir() else path

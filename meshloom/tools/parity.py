@@ -5,10 +5,13 @@
 final gradient norm. Layouts that need the same number of ranks share one torchrun launch, because
 each rank pays seconds just to import torch.
 
-Tolerances: fp32 layouts must match to FP32_TOLERANCE (reductions only reorder sums). A layout run in
-bf16 (`mixed_precision=bf16` in its spec) is compared with the fp32 reference to BF16_TOLERANCE: bf16
-rounding moves the loss by about 1e-3 after a few steps at this scale, so the bound is 20x that. Layouts
-with `float8.enable=true` get the same bound (Float8 stays within ~6e-3 of bf16 here, see meshloom/parallel/float8.py).
+Tolerances: fp32 layouts must match to FP32_TOLERANCE (reductions only reorder sums; measured at most 9.5e-7).
+A layout with bf16 in it (`mixed_precision=bf16`, or `fsdp_reduce_dtype=bfloat16`) is compared with the fp32
+reference to BF16_TOLERANCE. Measured max |dloss| over the 10 steps of the test suites (torch 2.13 CPU, gloo,
+2026-11-30): FSDP 2 bf16 2.10e-3, TP 2 bf16 6.9e-4, FSDP 2 with bf16 gradient reduction 1.2e-4, PP 2 bf16
+4.2e-4 (4 layers), CP 2 bf16 2.12e-3, PP 2 x TP 2 x CP 2 bf16 2.21e-3; the bound is about twice the largest.
+Layouts with `float8.enable=true` add Float8's own drift from bf16 (FLOAT8_LOSS_BOUND_VS_BF16 in
+meshloom/parallel/float8.py) on top of the bf16 bound.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshloom.parallel.dims import MESH_DIMS
+from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16
 
 FP32_TOLERANCE = 1e-5
-BF16_TOLERANCE = 2e-2
+BF16_TOLERANCE = 5e-3
 TRAINING_KEYS = ("mixed_precision",)
 
 
@@ -76,10 +80,12 @@ class Layout:
 
     @property
     def tolerance(self) -> float:
-        bf16 = "bf16" in (self.settings.get("mixed_precision"), self.settings.get("training.mixed_precision"))
-        # Float8 matmuls round more coarsely than bf16, so such a layout gets at least the bf16 bound.
-        float8 = self.settings.get("float8.enable", "false").lower() == "true"
-        return BF16_TOLERANCE if bf16 or float8 else FP32_TOLERANCE
+        bf16 = "bf16" in (self.settings.get("mixed_precision"), self.settings.get("training.mixed_precision")) or (
+            "bfloat16" in (self.settings.get("fsdp_reduce_dtype"), self.settings.get("parallelism.fsdp_reduce_dtype"))
+        )
+        if self.settings.get("float8.enable", "false").lower() == "true":
+            return BF16_TOLERANCE + FLOAT8_LOSS_BOUND_VS_BF16
+        return BF16_TOLERANCE if bf16 else FP32_TOLERANCE
 
     def setting_args(self) -> list[str]:
         """Bare keys are parallelism settings (mixed_precision is training's); dotted keys are any setting."""

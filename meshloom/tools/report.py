@@ -26,8 +26,10 @@ def load_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]
     Returns empty lists when no line carries `key`.
     """
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ValueError(f"run directory {str(run_dir)!r} does not exist; pass the job.dump_folder of a run")
     if not run_dir.is_dir():
-        raise ValueError(f"run directory {str(run_dir)!r} does not exist")
+        raise ValueError(f"{str(run_dir)!r} is a file, not a run directory; pass the job.dump_folder of a run")
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise ValueError(
@@ -101,7 +103,7 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: returns 0 on success, 1 on a user error (message on stderr)."""
+    """CLI entry: returns 0 on success, 2 on a user error (one line on stderr)."""
     parser = argparse.ArgumentParser(prog="meshloom report", description="Plot loss vs step for training runs.")
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run folder containing metrics.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="output PNG path")
@@ -110,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         path = write_report(args.run_dirs, args.out)
     except ValueError as e:
         print(f"meshloom report: error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as e:  # e.g. --out in a folder that cannot be written
+        print(f"meshloom report: error: cannot write {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
 

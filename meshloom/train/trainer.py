@@ -47,6 +47,7 @@ from meshloom.train.moe_balance import MoEBalancer
 from meshloom.train.nonfinite import NonFinitePolicy, is_finite
 from meshloom.train.optim import OptimizerGroup, build_optimizer
 from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
+from meshloom.train.qk_clip import QKClip
 from meshloom.train.run_folder import check_run_folder, continuation_event, write_run_config
 from meshloom.train.runtime import seed_everything, select_device
 
@@ -85,6 +86,7 @@ class Trainer:
         self.optimizers = [build_optimizer(part, config.optimizer, self.device, self.plan.spec.adamw_only) for part in self.model_parts]
         # One optimizer per pipeline stage, so a checkpoint pairs each stage with its own optimizer state.
         self.optimizer = self.optimizers[0] if self.pipeline is None else OptimizerGroup(self.optimizers)
+        self.qk_clip = QKClip.build(self.plan.spec, self.model_parts, config.optimizer.qk_clip_threshold, self.dims)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.nonfinite = NonFinitePolicy(config.training, self.run_dir, self.model, self.checkpointer)
         self.checkpointer.bind(TrainingParts(
@@ -251,12 +253,14 @@ class Trainer:
         skipped, failed_step = False, None
         if not is_finite(loss_value, grad_norm):
             skipped, failed_step = True, self.step
+            self.qk_clip.discard()  # its attention maxima belong to an update that did not happen
             if self.nonfinite.handle(self.step, loss_value, grad_norm, sample_ids) is None:
                 failed_step = None  # the update was dropped in place; the step counts
         else:
             if self.config.training.max_norm > 0:
                 clip_grads_(self.model.parameters(), self.config.training.max_norm, grad_norm_tensor)
             self.optimizer.step()
+            self.qk_clip.after_update()
             sync_float8_scales(self.model, self.config.float8, self.fsdp)
             self.lr_scheduler.step()
         self.moe.after_step(updated=not skipped)
@@ -325,6 +329,7 @@ class Trainer:
                     memory_gib=peak_memory_bytes(self.device) / 2**30,
                     **self.step_times.report(),
                     **self.moe.metrics(),
+                    **self.qk_clip.metrics(),
                 )
                 if result.skipped:
                     metrics["skipped_step"] = 1.0

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshloom.models.common import qk_clip
 from meshloom.models.common.init import trunc_normal_
 from meshloom.models.common.norm import RMSNorm
 from meshloom.models.common.rope import apply_rope
@@ -92,6 +93,9 @@ class GroupedQueryAttention(nn.Module):
         self.core = causal_attention
         # Set only while generating (meshloom.inference.kv_cache.KVCache installs and removes it).
         self.kv_cache = None
+        # QK-clip turns this on: training forwards then record each local head's largest logit (see qk_clip.py).
+        self.track_max_logits = False
+        self.max_logits: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor | None = None
@@ -114,6 +118,8 @@ class GroupedQueryAttention(nn.Module):
         mask = None
         if self.kv_cache is not None:
             k, v, mask = self.kv_cache.update(k, v)
+        if self.track_max_logits and self.training:
+            qk_clip.track(self, q, k, document_ids)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             # Query head i reads kv head i // n_rep; an explicit copy works with

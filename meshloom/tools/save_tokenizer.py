@@ -1,0 +1,71 @@
+"""`meshloom tokenizer`: save the built-in tokenizer of a run's [data] settings as a Hugging Face tokenizer.json.
+
+    meshloom tokenizer --config configs/llama3_debug.toml --output tokenizer.json
+    meshloom train ... --data.tokenizer tokenizer.json        # the same token ids as data.tokenizer = "builtin"
+
+The tokenizer is the one a run with these settings would use: trained on the corpus (data.path, or the built-in
+corpus) with data.vocab_size ids, or read from data.cache_dir when a run has already trained it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from meshloom.config.errors import ConfigError
+from meshloom.config.loader import load_config, split_config_args
+from meshloom.config.schema import DataConfig
+from meshloom.data.build import run_tokenizer
+from meshloom.data.tokenizer import HFTokenizer, atomic_write_bytes
+
+
+def save_tokenizer(data_config: DataConfig, output: Path, overwrite: bool = False) -> Path:
+    """Write the run's built-in tokenizer to `output` (a file, or a folder that gets tokenizer.json); return the file."""
+    if data_config.tokenizer != "builtin":
+        raise ConfigError(
+            f"data.tokenizer = {data_config.tokenizer!r} is already a file, which runs read as it is; this command saves "
+            "the built-in tokenizer (data.tokenizer = \"builtin\")"
+        )
+    output = Path(output)
+    if output.is_dir():
+        output = output / "tokenizer.json"
+    if output.exists() and not overwrite:
+        raise ConfigError(f"{output} exists; pass --overwrite to replace it, or choose another --output")
+    if not output.parent.is_dir():
+        raise ConfigError(f"folder {output.parent} does not exist; create it or choose another --output")
+    if not os.access(output.parent, os.W_OK):
+        raise ConfigError(f"folder {output.parent} is not writable; choose another --output")
+    tokenizer = run_tokenizer(data_config)
+    assert isinstance(tokenizer, HFTokenizer), "the built-in tokenizer is a tokenizers BPE"
+    atomic_write_bytes(output, tokenizer.to_json().encode("utf-8"))
+    output.chmod(0o644)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="meshloom tokenizer",
+        description="Save the built-in tokenizer (trained on the run's corpus, or read from data.cache_dir) as a "
+        "Hugging Face tokenizer.json that data.tokenizer = PATH accepts, giving the same token ids.",
+        epilog="The tokenizer follows the [data] settings of a run: pass --config FILE and --data.KEY VALUE "
+        "overrides (data.vocab_size, data.path, data.max_bytes, data.validation_fraction, data.cache_dir) as for "
+        "`meshloom train`.",
+    )
+    parser.add_argument("--output", "-o", type=Path, default=Path("tokenizer.json"), help="file or folder (default %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    own, config_args = split_config_args(argv)
+    args = parser.parse_args(own)
+    try:
+        path = save_tokenizer(load_config(config_args).data, args.output, args.overwrite)
+    except ValueError as err:
+        print(f"meshloom tokenizer: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}; use it with --data.tokenizer {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

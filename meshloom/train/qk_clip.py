@@ -1,0 +1,123 @@
+"""QK-clip on a parallel run: the per-head maxima of every rank that saw a head, reduced, then applied to local shards.
+
+``optimizer.qk_clip_threshold = tau > 0`` turns on each attention layer's tracking (the model family names the layers
+through ``ModelSpec.qk_clip``); after every optimizer update :meth:`QKClip.after_update` rescales the query and key rows
+of the heads whose largest logit exceeded tau (the rule is in ``meshloom.models.common.qk_clip``). Where a head's
+maximum comes from:
+
+- tensor parallel: a head lives on one tp rank, which alone computed its maximum; every rank fills its own heads into a
+  vector of all heads and a MAX all-reduce over tp completes it (each rank needs every factor of the rows it holds);
+- data parallel (replicate and shard): each rank saw other sequences, so the maxima are MAX-reduced over ``dp_cp``;
+- pipeline parallel: stages hold different layers, so nothing is reduced; the clipped-head count is summed over pp.
+
+Context parallel is refused: a rank holds one shard of each sequence, and the maximum over query/key pairs that sit on
+different ranks is never formed (the ring attention does not expose it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from meshloom.config.errors import ConfigError
+from meshloom.config.schema import Config
+from meshloom.models.common.qk_clip import QKClipTarget, clip_factors, scale_head_rows_
+from meshloom.models.spec import ModelSpec
+from meshloom.parallel.dims import ParallelDims
+from meshloom.train.orthogonalize import local_tensor
+
+
+def check_qk_clip_config(config: Config, spec: ModelSpec, dims: ParallelDims) -> None:
+    tau = config.optimizer.qk_clip_threshold
+    if tau <= 0:
+        return
+    if spec.qk_clip is None:
+        raise ConfigError(
+            f"optimizer.qk_clip_threshold = {tau} rescales each attention head's query and key projections, but the "
+            f"{spec.name} model family's attention does not factor per head (its ModelSpec has no qk_clip); "
+            "set optimizer.qk_clip_threshold = 0"
+        )
+    if dims.cp > 1:
+        raise ConfigError(
+            f"optimizer.qk_clip_threshold = {tau} with parallelism.cp = {dims.cp}: a head's largest logit spans "
+            "query/key pairs on different context-parallel ranks, which is not computed; set parallelism.cp = 1 or "
+            "optimizer.qk_clip_threshold = 0"
+        )
+
+
+def _first_row(param: Tensor) -> int:
+    """Global index of the first row of this rank's block of a (possibly sharded) parameter."""
+    if isinstance(param, DTensor):
+        (chunk,) = param.__create_chunk_list__()
+        return int(chunk.offsets[0])
+    return 0
+
+
+class QKClip:
+    """Tracks and clips the attention heads of this rank's model parts; inert when the threshold is 0."""
+
+    def __init__(self, targets: list[QKClipTarget], tau: float, dims: ParallelDims | None):
+        self.targets, self.tau, self.dims = targets, tau, dims
+        self.enabled = tau > 0
+        self.clipped_heads = 0  # at the latest update, over the whole model
+        self.total_clipped_heads = 0  # since this process started
+        for target in targets:
+            target.attention.track_max_logits = self.enabled
+
+    @classmethod
+    def build(cls, spec: ModelSpec, model_parts: list[nn.Module], tau: float, dims: ParallelDims) -> QKClip:
+        if tau <= 0 or spec.qk_clip is None:
+            return cls([], 0.0, None)
+        return cls([target for part in model_parts for target in spec.qk_clip(part)], tau, dims)
+
+    def discard(self) -> None:
+        """Forget the maxima of a step whose update was dropped."""
+        for target in self.targets:
+            target.attention.max_logits = None
+
+    @torch.no_grad()
+    def after_update(self) -> int:
+        """Rescale the heads whose largest logit of this step exceeded tau; returns how many query heads that was."""
+        if not self.enabled:
+            return 0
+        maxima = self._global_maxima()
+        clipped = torch.zeros((), dtype=torch.int64, device=maxima.device)
+        offset = 0
+        for target in self.targets:
+            heads = maxima[offset : offset + target.n_heads]
+            offset += target.n_heads
+            clipped += (heads > self.tau).sum()
+            q_factor, k_factor = clip_factors(heads, self.tau, target.n_kv_heads)
+            for param, factors in ((target.wq, q_factor), (target.wk, k_factor)):
+                if bool((factors < 1).any()):
+                    scale_head_rows_(local_tensor(param), _first_row(param), factors, target.head_dim)
+        if self.dims is not None and self.dims.pp > 1:
+            dist.all_reduce(clipped, group=self.dims.mesh("pp").get_group())
+        self.discard()
+        self.clipped_heads = int(clipped)
+        self.total_clipped_heads += self.clipped_heads
+        return self.clipped_heads
+
+    def _global_maxima(self) -> Tensor:
+        """Every target's per-head maxima, concatenated, reduced over the ranks that saw each head."""
+        device = local_tensor(self.targets[0].wq).device if self.targets else torch.device("cpu")
+        maxima = torch.full((sum(t.n_heads for t in self.targets),), float("-inf"), device=device)
+        tp = self.dims.tp if self.dims is not None and self.dims.is_distributed else 1
+        tp_rank = self.dims.mesh("tp").get_local_rank() if tp > 1 else 0
+        offset = 0
+        for target in self.targets:
+            local = target.attention.max_logits
+            if local is not None:  # a layer no microbatch reached keeps -inf: nothing to clip
+                first = offset + tp_rank * local.numel()
+                maxima[first : first + local.numel()] = local.to(device)
+            offset += target.n_heads
+        if self.targets and tp > 1:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dims.mesh("tp").get_group())
+        if self.targets and self.dims is not None and self.dims.is_distributed and self.dims.mesh("dp_cp").size() > 1:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dims.mesh("dp_cp").get_group())
+        return maxima
+
+    def metrics(self) -> dict[str, float]:
+        return {"qk_clipped_heads": float(self.clipped_heads)} if self.enabled else {}
