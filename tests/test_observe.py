@@ -426,3 +426,19 @@ def test_cli_commands_say_a_missing_path_does_not_exist(tmp_path, subprocess_env
         )
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and "nope" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
+
+
+def test_report_shows_resumes_and_restarts(tmp_path, capsys):
+    """Event rows the trainer writes when a run continues are listed and marked on the plot, not read as losses."""
+    run = _write_run(tmp_path / "r", {1: 3.0, 2: 2.5, 3: 2.4}, extra=[
+        json.dumps({"step": 2, "event": "resume", "attempt": 0, "checkpoint": "/x/checkpoint/step-2"}),
+        json.dumps({"step": 3, "loss": 2.3}),
+        json.dumps({"step": 3, "event": "restart", "attempt": 1}),
+    ])
+    assert report.load_curve(run) == ([1, 2, 3], [3.0, 2.5, 2.3])
+    assert report.main([str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["r: step 2: resume from /x/checkpoint/step-2", "r: step 3: restart (attempt 1)"]
+    with_events = (run / "loss.png").read_bytes()
+    plain = report.write_report([_write_run(tmp_path / "plain" / "r", {1: 3.0, 2: 2.5, 3: 2.3})], None).read_bytes()
+    assert with_events[:8] == PNG_MAGIC and with_events != plain

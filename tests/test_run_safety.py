@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshloom.checkpoint import folders
+from meshloom.checkpoint.interrupts import interrupts_deferred
 from meshloom.config.loader import ConfigError
 from meshloom.tools.checkpoint_commands import convert_main, export_main
 from meshloom.tools.resume_cases import Case, CaseResult, run_case
@@ -62,7 +63,14 @@ def test_convert_into_a_non_empty_folder_needs_overwrite_and_keeps_other_files(s
     assert "model.safetensors" not in names, "a stale single-file export next to new shards would be loaded instead"
     assert "model.safetensors.index.json" in names and "README.md" in names
     assert (out / "README.md").read_text() == "my notes"
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    # The run's tokenizer (the built-in BPE) goes with the weights, its special ids in config.json.
+    assert "tokenizer.json" in names and "tokenizer_config.json" in names
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    special = json.loads((out / "tokenizer_config.json").read_text())
+    assert (vocab[special["bos_token"]], vocab[special["eos_token"]]) == (config["bos_token_id"], config["eos_token_id"])
+    assert "tokenizer.json" in capsys.readouterr().out
     assert not [p for p in out.parent.iterdir() if ".partial-" in p.name]
     for file in out.iterdir():
         assert stat.S_IMODE(file.stat().st_mode) == 0o644 & ~_umask(), file
@@ -179,3 +187,37 @@ def test_startup_summary_and_ctrl_c(workdir: Path, tmp_path: Path, subprocess_en
     assert len(line) == 1 and "latest complete checkpoint:" in line[0] and "--checkpoint.resume true" in line[0], err[-2000:]
     for part in ("meshloom run", "summary check", f"run folder     {run_dir}", "model          llama3 tiny", "tokens/step    512"):
         assert part in out, out[:2000]
+
+
+def test_ctrl_c_during_a_save_lets_the_save_finish() -> None:
+    """An interrupt that arrives while a checkpoint is written is raised after the write, not inside torch's writer."""
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the signal is delivered here; the block carries on
+            finished.append(True)
+    assert finished == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_only_user_mistakes_are_one_line_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """`meshloom train` prints a UserError as one line and exits 2; any other ValueError is a bug and keeps its trace."""
+    import meshloom.train.trainer as trainer_module
+    from meshloom.config.errors import UserError
+    from meshloom.train.main import main
+
+    def failing(error: Exception) -> type:
+        class Failing:
+            def __init__(self, config) -> None:
+                raise error
+
+        return Failing
+
+    monkeypatch.setattr(trainer_module, "Trainer", failing(UserError("data.path: no files match; check data.glob")))
+    assert main(["--model.flavor", "tiny"]) == 2
+    assert capsys.readouterr().err.strip() == "meshloom: error: data.path: no files match; check data.glob"
+
+    monkeypatch.setattr(trainer_module, "Trainer", failing(ValueError("an internal invariant broke")))
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["--model.flavor", "tiny"])

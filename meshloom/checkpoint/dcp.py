@@ -29,6 +29,7 @@ from meshloom.checkpoint import folders
 from meshloom.checkpoint.folders import CheckpointInfo
 from meshloom.checkpoint.hf import HFFolder, load_into_model_parts
 from meshloom.checkpoint.integrity import checkpoint_files, compute_checksums
+from meshloom.checkpoint.interrupts import interrupts_deferred
 from meshloom.checkpoint.offline import write_side_files
 from meshloom.checkpoint.reading import (
     CorruptCheckpointError,
@@ -264,6 +265,10 @@ class Checkpointer:
             self.save(step, wait=last)
 
     def save(self, step: int, wait: bool = False) -> None:
+        with interrupts_deferred():
+            self._save(step, wait)
+
+    def _save(self, step: int, wait: bool) -> None:
         start = time.perf_counter()  # training is blocked from here, including any wait for the previous save
         self.wait()  # one save in flight at a time
         path = folders.step_dir(self.root, step)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshloom.checkpoint.safe_read import METADATA_FILE
+from meshloom.config.errors import UserError
 
 MARKER_FILE = "complete.json"
 OWNER_FILE = "save.json"  # which run lineage started this save (written first)
@@ -65,7 +66,7 @@ def read_marker(path: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(path) / MARKER_FILE).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"checkpoint {path} has an unreadable {MARKER_FILE}: {err}") from None
+        raise UserError(f"checkpoint {path} has an unreadable {MARKER_FILE}: {err}") from None
 
 
 def list_checkpoints(root: Path) -> tuple[list[CheckpointInfo], list[Path]]:
@@ -108,15 +109,15 @@ def open_checkpoint(path: Path) -> CheckpointInfo:
     """A complete checkpoint: a step folder, or a checkpoint root (its latest complete step)."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist")
+        raise UserError(f"checkpoint {path} does not exist")
     if is_complete(path):
         marker = read_marker(path)
         return CheckpointInfo(path, int(marker.get("step", 0)), marker)
     if (path / METADATA_FILE).is_file():
-        raise ValueError(f"checkpoint {path} has no {MARKER_FILE}: its save never finished; use an earlier step")
+        raise UserError(f"checkpoint {path} has no {MARKER_FILE}: its save never finished; use an earlier step")
     complete, _ = list_checkpoints(path)
     if not complete:
-        raise ValueError(f"{path} holds no complete checkpoint{describe_without_complete(path)}")
+        raise UserError(f"{path} holds no complete checkpoint{describe_without_complete(path)}")
     return complete[-1]
 
 

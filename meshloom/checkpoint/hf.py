@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from meshloom.config.errors import UserError
 from meshloom.models.hf_adapter import HFAdapter
 from meshloom.models.registry import spec_for_hf_config
 from meshloom.models.spec import ModelSpec
@@ -34,7 +35,7 @@ def parse_size(text: str) -> int:
     """'5GB', '500MB', '2GiB' or a plain byte count."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?i?[bB]?)\s*", text)
     if not match:
-        raise ValueError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or a byte count")
+        raise UserError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or a byte count")
     number, unit = float(match.group(1)), match.group(2).upper().rstrip("B")
     scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
     return int(number * scale)
@@ -42,7 +43,7 @@ def parse_size(text: str) -> int:
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose bfloat16 or float32")
+        raise UserError(f"unknown dtype {name!r}; choose bfloat16 or float32")
     return DTYPES[name]
 
 
@@ -53,14 +54,14 @@ class HFFolder:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise ValueError(f"Hugging Face model folder {self.path} not found")
+            raise UserError(f"Hugging Face model folder {self.path} not found")
         config_path = self.path / CONFIG_FILE
         if not config_path.is_file():
-            raise ValueError(f"{self.path} has no {CONFIG_FILE}; a Hugging Face model folder needs one next to its weights")
+            raise UserError(f"{self.path} has no {CONFIG_FILE}; a Hugging Face model folder needs one next to its weights")
         try:
             self.config: dict[str, Any] = json.loads(config_path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{config_path} is not valid JSON: {err}") from None
+            raise UserError(f"{config_path} is not valid JSON: {err}") from None
         self.spec: ModelSpec = spec_for_hf_config(self.config, str(config_path))
         self.adapter: HFAdapter = self.spec.hf
         self.args = self.adapter.args_from_config(self.config, str(config_path))
@@ -72,11 +73,11 @@ class HFFolder:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as err:
-                raise ValueError(f"{index} is not a safetensors index (needs a 'weight_map'): {err}") from None
+                raise UserError(f"{index} is not a safetensors index (needs a 'weight_map'): {err}") from None
             files = {name: self.path / file for name, file in weight_map.items()}
             for file in sorted(set(files.values())):
                 if not file.is_file():
-                    raise ValueError(f"shard file {file.name} listed in {index} is missing; download or copy it into {self.path}")
+                    raise UserError(f"shard file {file.name} listed in {index} is missing; download or copy it into {self.path}")
             return files
         single = self.path / WEIGHTS_FILE
         if single.is_file():
@@ -84,7 +85,7 @@ class HFFolder:
                 return {name: single for name in f.keys()}
         other = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt*"))
         hint = f" (found {other[:3]}: pickled weights are never loaded; re-save them with safetensors)" if other else ""
-        raise ValueError(f"{self.path} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+        raise UserError(f"{self.path} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
 
     def expected_shapes(self) -> dict[str, torch.Size]:
         """meshloom name -> shape for every tensor the config implies (a tied output is the embedding)."""
@@ -99,11 +100,11 @@ class HFFolder:
         needed = {hf_name: name for name in ours for hf_name in self.adapter.sources(name, self.args)}
         for hf_name in needed:
             if hf_name not in self.weight_map:
-                raise ValueError(f"{self.path} lacks tensor {hf_name!r}, which its config.json implies")
+                raise UserError(f"{self.path} lacks tensor {hf_name!r}, which its config.json implies")
         optional = self.adapter.optional_hf_tensors(self.args)
         for hf_name in self.weight_map:
             if hf_name not in needed and hf_name not in optional and not hf_name.endswith(self.adapter.ignored_suffixes):
-                raise ValueError(
+                raise UserError(
                     f"{self.path} holds tensor {hf_name!r}, which a {self.spec.name} model with this config.json does not have"
                 )
         with ExitStack() as stack:
@@ -114,7 +115,7 @@ class HFFolder:
                 shape = tuple(self.adapter.from_hf(name, found, self.args).shape)
                 if shape != tuple(shapes[name]):
                     what = f"tensor {sources[0]!r}" if len(sources) == 1 else f"tensors {sources[0]!r} .. {sources[-1]!r} (stacked)"
-                    raise ValueError(f"{what} in {self.path} has shape {list(shape)}, but config.json implies {list(shapes[name])}")
+                    raise UserError(f"{what} in {self.path} has shape {list(shape)}, but config.json implies {list(shapes[name])}")
 
     def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(meshloom name, tensor) for the given meshloom names, read lazily file by file."""
@@ -184,7 +185,7 @@ def write_hf_folder(
 ) -> Path:
     """config.json plus model.safetensors, or model-0000i-of-0000n.safetensors shards and their index."""
     if spec.hf is None:
-        raise ValueError(f"the {spec.name} model family has no Hugging Face format to export to")
+        raise UserError(f"the {spec.name} model family has no Hugging Face format to export to")
     adapter = spec.hf
     adapter.check_exportable(state, args)
     out = Path(out)

@@ -19,6 +19,7 @@ from meshloom.checkpoint.folders import CheckpointInfo
 from meshloom.checkpoint.integrity import checkpoint_files, compute_checksums
 from meshloom.checkpoint.reading import load_state, read_index, verify
 from meshloom.checkpoint.state import ModelState
+from meshloom.config.errors import UserError
 from meshloom.config.loader import to_dict
 from meshloom.config.schema import Config
 from meshloom.models.registry import get_model_spec, import_plugin
@@ -57,14 +58,14 @@ def read_model_args(info: CheckpointInfo) -> tuple[ModelSpec, Any, dict[str, Any
     """(model family, args, everything else in model_args.json) saved with a checkpoint."""
     file = info.path / folders.MODEL_ARGS_FILE
     if not file.is_file():
-        raise ValueError(f"checkpoint {info.path} has no {folders.MODEL_ARGS_FILE}, so its model shape is unknown")
+        raise UserError(f"checkpoint {info.path} has no {folders.MODEL_ARGS_FILE}, so its model shape is unknown")
     try:
         data = json.loads(file.read_text())
         import_plugin(data.get("plugin", ""))
         spec = get_model_spec(data["model"])
         return spec, spec.args_from_dict(data["args"]), data
     except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{file} is unreadable ({err!r}); the checkpoint's model shape is unknown") from None
+        raise UserError(f"{file} is unreadable ({err!r}); the checkpoint's model shape is unknown") from None
 
 
 def read_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
@@ -77,6 +78,6 @@ def read_model_weights(info: CheckpointInfo) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     if not state:
-        raise ValueError(f"checkpoint {info.path} holds no model weights")
+        raise UserError(f"checkpoint {info.path} holds no model weights")
     load_state({"model": state}, info.path)
     return state

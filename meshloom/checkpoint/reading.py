@@ -17,6 +17,7 @@ from meshloom.checkpoint import folders
 from meshloom.checkpoint.folders import CheckpointInfo
 from meshloom.checkpoint.integrity import find_mismatch
 from meshloom.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
+from meshloom.config.errors import UserError
 
 # One process saving or loading alone is intended here (seed checkpoints, conversions, 1-process runs).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning)
@@ -90,16 +91,16 @@ def check_model_shapes(path: Path, metadata: Metadata, expected: dict[str, torch
     origin = _saved_model_description(path)
     for name, shape in expected.items():
         if name not in saved:
-            raise ValueError(f"checkpoint {path} has no tensor {name!r}, which this model needs{origin}; use matching model settings")
+            raise UserError(f"checkpoint {path} has no tensor {name!r}, which this model needs{origin}; use matching model settings")
         if saved[name] != tuple(shape):
-            raise ValueError(
+            raise UserError(
                 f"tensor {name!r} has shape {list(saved[name])} in checkpoint {path} but {list(shape)} in this model{origin}; "
                 "use the model settings the checkpoint was saved with"
             )
     if complete_model:
         for name in saved:
             if name not in expected:
-                raise ValueError(f"checkpoint {path} holds tensor {name!r}, which this model lacks{origin}; use matching model settings")
+                raise UserError(f"checkpoint {path} holds tensor {name!r}, which this model lacks{origin}; use matching model settings")
 
 
 def load_state(state: dict[str, Any], path: Path) -> None:

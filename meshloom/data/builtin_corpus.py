@@ -13,6 +13,8 @@ import sysconfig
 from pathlib import Path
 from typing import NamedTuple
 
+from meshloom.config.errors import UserError
+
 # Directories that hold third-party or generated code rather than the stdlib.
 _SKIP_DIR_NAMES = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
@@ -73,12 +75,12 @@ def read_corpus(path: str | None, glob: str, max_bytes: int | None) -> Corpus:
     note is worth printing (data/build.py: once, when the corpus is first cached).
     """
     if max_bytes is not None and max_bytes <= 0:
-        raise ValueError(f"data.max_bytes must be positive or unset, got {max_bytes}")
+        raise UserError(f"data.max_bytes must be positive or unset, got {max_bytes}")
 
     if path:
         root = Path(path).expanduser()
         if not root.is_dir():
-            raise ValueError(
+            raise UserError(
                 f"data.path={path!r} is not an existing folder; point it at a folder of "
                 "text files or leave it empty for the built-in corpus"
             )
@@ -92,7 +94,7 @@ def read_corpus(path: str | None, glob: str, max_bytes: int | None) -> Corpus:
     # Sort on the relative POSIX path so the order is the same on every machine.
     rel = sorted((p.relative_to(root).as_posix(), p) for p in files)
     if not rel:
-        raise ValueError(f"data.path: no files match in {where}; check data.path and data.glob")
+        raise UserError(f"data.path: no files match in {where}; check data.path and data.glob")
 
     docs: list[Document] = []
     total = 0
@@ -116,11 +118,11 @@ def read_corpus(path: str | None, glob: str, max_bytes: int | None) -> Corpus:
     note = f"skipped {skipped} unreadable or non-UTF-8 file(s) in {where}" if skipped else None
     if not docs:
         if capped:
-            raise ValueError(
+            raise UserError(
                 f"data.max_bytes={max_bytes} is smaller than the first non-empty file of "
                 f"{where}; raise it"
             )
-        raise ValueError(
+        raise UserError(
             f"data.path: no readable, non-empty UTF-8 files in {where} "
             f"({len(rel)} matched, {skipped} unreadable); check data.path and data.glob"
         )
@@ -157,7 +159,7 @@ def split_documents(
     there are at least two documents, each side gets at least one.
     """
     if not 0.0 <= validation_fraction < 1.0:
-        raise ValueError(
+        raise UserError(
             f"data.validation_fraction must be in [0, 1), got {validation_fraction}"
         )
     if validation_fraction == 0.0 or len(docs) < 2:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from meshloom.config.errors import UserError
+
 # Problems a record can have, in the order they are reported.
 BAD_INPUT_KINDS = ("non_utf8", "invalid_json", "missing_text", "empty", "too_long")
 
@@ -44,13 +46,13 @@ class BadInputPolicy:
 
     def __init__(self, mode: str):
         if mode not in ("error", "skip"):
-            raise ValueError(f"data.bad_input must be 'error' or 'skip', got {mode!r}")
+            raise UserError(f"data.bad_input must be 'error' or 'skip', got {mode!r}")
         self.mode = mode
 
     def handle(self, record: Record, counts: dict[str, int]) -> None:
         assert record.problem in BAD_INPUT_KINDS, record
         if self.mode == "error":
-            raise ValueError(
+            raise UserError(
                 f"{record.where}: {record.detail}; fix the input, or set data.bad_input = \"skip\" "
                 "(--data.bad_input skip) to skip and count such documents"
             )
@@ -103,7 +105,7 @@ def expand_inputs(inputs: list[str], exclude: Path | None = None) -> list[Source
     Files under `exclude` (the output folder, when it sits inside an input folder) are left out.
     """
     if not inputs:
-        raise ValueError("prepare: give at least one input (.jsonl/.json/.parquet/.txt file, folder, or hf:NAME)")
+        raise UserError("prepare: give at least one input (.jsonl/.json/.parquet/.txt file, folder, or hf:NAME)")
     sources: list[Source] = []
     for spec in inputs:
         if spec.startswith(HF_PREFIX):
@@ -120,17 +122,17 @@ def expand_inputs(inputs: list[str], exclude: Path | None = None) -> list[Source
                 if p.is_file() and p.suffix in FILE_SUFFIXES and not (exclude and p.resolve().is_relative_to(exclude.resolve()))
             )
             if not files:
-                raise ValueError(f"prepare input {spec}: the folder holds no {'/'.join(FILE_SUFFIXES)} files")
+                raise UserError(f"prepare input {spec}: the folder holds no {'/'.join(FILE_SUFFIXES)} files")
             sources += [Source(str(p), _file_kind(p), p.stat().st_size) for _, p in files]
         elif path.is_file() and path.suffix in FILE_SUFFIXES:
             sources.append(Source(spec, _file_kind(path), path.stat().st_size))
         elif path.exists():
-            raise ValueError(
+            raise UserError(
                 f"prepare input {spec}: not a {'/'.join(FILE_SUFFIXES)} file; give such files, a folder of them, "
                 f"a `datasets` save_to_disk folder or {HF_PREFIX}NAME"
             )
         else:
-            raise ValueError(f"prepare input {spec}: no such file or folder")
+            raise UserError(f"prepare input {spec}: no such file or folder")
     return sources
 
 
@@ -201,7 +203,7 @@ def _pick_split(name: str, loaded, split: str):
 
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"prepare input {name}: no split {split!r} (has {sorted(loaded)}); pass --split NAME")
+            raise UserError(f"prepare input {name}: no split {split!r} (has {sorted(loaded)}); pass --split NAME")
         return loaded[split]
     return loaded
 

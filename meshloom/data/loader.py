@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from meshloom.config.errors import UserError
 from meshloom.data.builtin_corpus import Document, corpus_identity
 from meshloom.data.encoding import encode_texts, token_dtype
 from meshloom.data.tokenizer import Tokenizer
@@ -131,9 +132,9 @@ class PackedDataset:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, doc_starts: np.ndarray | None = None):
         if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+            raise UserError(f"seq_len must be >= 1, got {seq_len}")
         if len(tokens) < seq_len + 1:
-            raise ValueError(
+            raise UserError(
                 f"the corpus has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}; "
                 "add text (data.path / data.max_bytes) or lower training.seq_len"
             )
@@ -154,7 +155,7 @@ class PackedDataset:
     def document_ids(self, i: int) -> np.ndarray:
         """Document id of each token of window(i), counting from 0 within the window."""
         if self.doc_starts is None:
-            raise ValueError("document ids need the document starts; build the dataset with doc_starts")
+            raise UserError("document ids need the document starts; build the dataset with doc_starts")
         start = i * self.seq_len
         return document_ids_between(self.doc_starts, start, start + self.seq_len + 1)
 
@@ -207,9 +208,9 @@ class GlobalOrderLoader:
 
     def __init__(self, local_batch_size: int, dp_rank: int, dp_size: int):
         if local_batch_size < 1:
-            raise ValueError(f"local batch size must be >= 1, got {local_batch_size}")
+            raise UserError(f"local batch size must be >= 1, got {local_batch_size}")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+            raise UserError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -243,7 +244,7 @@ class GlobalOrderLoader:
 
     def _load_consumed(self, sd: dict) -> None:
         if int(sd["consumed"]) < 0:
-            raise ValueError(f"data loader state has negative consumed={sd['consumed']}")
+            raise UserError(f"data loader state has negative consumed={sd['consumed']}")
         self.consumed = int(sd["consumed"])
 
 
@@ -311,9 +312,9 @@ class StatefulLoader(GlobalOrderLoader):
         """Resume from state_dict(); the saved seed is adopted so the order continues unchanged."""
         missing = {"consumed", "seed", "num_samples"} - set(sd)
         if missing:
-            raise ValueError(f"data loader state is missing {sorted(missing)}")
+            raise UserError(f"data loader state is missing {sorted(missing)}")
         if int(sd["num_samples"]) != self.num_samples:
-            raise ValueError(
+            raise UserError(
                 f"data loader state was saved for {sd['num_samples']} samples but the dataset has "
                 f"{self.num_samples}; resume with the same data and seq_len settings"
             )

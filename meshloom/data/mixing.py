@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshloom.config.errors import UserError
+
 MIX_BLOCK = 4096
 
 
 def apportion(weights: list[float], total: int) -> list[int]:
     """Integer counts summing to `total`, proportional to `weights` (largest remainder, ties to the lower index)."""
     if not weights or any(w <= 0 for w in weights):
-        raise ValueError(f"mixing weights must be positive, got {weights}")
+        raise UserError(f"mixing weights must be positive, got {weights}")
     quotas = np.asarray(weights, dtype=np.float64) / sum(weights) * total
     counts = np.floor(quotas).astype(np.int64)
     by_remainder = sorted(range(len(weights)), key=lambda k: (-(quotas[k] - counts[k]), k))
@@ -30,7 +32,7 @@ class MixSchedule:
         self.counts = apportion(weights, block)
         if 0 in self.counts:
             k = self.counts.index(0)
-            raise ValueError(
+            raise UserError(
                 f"data.shards: weight {weights[k]} of source {k} is below 1/{block} of the total; "
                 "raise it or drop the source"
             )

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config, split_config_args
 from meshloom.config.schema import DataConfig
 from meshloom.data.documents import BAD_INPUT_KINDS, BadInputPolicy, Record, Source, bad, empty_counts, expand_inputs
@@ -189,11 +190,11 @@ def _resume_state(folder: Path, settings: dict[str, Any], dtype: np.dtype, verif
     state_path = folder / STATE_FILE
     if not state_path.is_file():
         if any(folder.iterdir()):
-            raise ValueError(f"prepare: --output {folder} is not empty and holds no prepare state; use a new or empty folder")
+            raise UserError(f"prepare: --output {folder} is not empty and holds no prepare state; use a new or empty folder")
         return [], False
     state = json.loads(state_path.read_text())
     if state.get("settings") != settings:
-        raise ValueError(
+        raise UserError(
             f"prepare: --output {folder} holds shards made from other inputs or settings (inputs, their sizes, "
             "tokenizer, dtype, shard size, text field, bad-input policy or split differ); use a new folder or delete it"
         )
@@ -212,14 +213,14 @@ def prepare(options: PrepareOptions, data: DataConfig, tokenizer: Tokenizer) -> 
     """Write (or finish, or repair) the shard folder; returns meta.json's content, or None if stopped early."""
     started = time.perf_counter()
     if options.shard_tokens < 3:
-        raise ValueError(f"prepare: --shard-tokens must be at least 3 (bos + a token + eos), got {options.shard_tokens}")
+        raise UserError(f"prepare: --shard-tokens must be at least 3 (bos + a token + eos), got {options.shard_tokens}")
     if options.workers < 1:
-        raise ValueError(f"prepare: --workers must be >= 1, got {options.workers}")
+        raise UserError(f"prepare: --workers must be >= 1, got {options.workers}")
     policy = BadInputPolicy(data.bad_input)
     dtype_name = token_dtype(tokenizer.vocab_size).name if options.dtype == "auto" else options.dtype
     dtype = TOKEN_DTYPES[dtype_name]
     if tokenizer.vocab_size > np.iinfo(dtype).max + 1:
-        raise ValueError(f"prepare: --dtype {dtype_name} cannot hold the tokenizer's {tokenizer.vocab_size} ids; use uint32 or auto")
+        raise UserError(f"prepare: --dtype {dtype_name} cannot hold the tokenizer's {tokenizer.vocab_size} ids; use uint32 or auto")
     sources = expand_inputs(options.inputs, exclude=Path(options.output))
     settings = {
         "sources": [{"name": s.name, "kind": s.kind, "bytes": s.size} for s in sources],
@@ -294,7 +295,7 @@ def prepare(options: PrepareOptions, data: DataConfig, tokenizer: Tokenizer) -> 
 
     meta = _meta(settings, counts, entries)
     if meta["documents"] == 0:
-        raise ValueError(f"prepare: the inputs hold no usable document (skipped: {_skipped_text(meta['skipped'])})")
+        raise UserError(f"prepare: the inputs hold no usable document (skipped: {_skipped_text(meta['skipped'])})")
     write_json(folder / META_FILE, meta)
     write_json(folder / STATE_FILE, {"settings": settings, "shards": entries, "complete": True})
     seconds = time.perf_counter() - started
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             args.inputs, args.output, args.shard_tokens, args.dtype, args.workers, args.split, args.stop_after, args.verify, not args.no_progress
         )
         prepare(options, data, tokenizer)
-    except ValueError as err:
+    except UserError as err:
         print(f"meshloom prepare: error: {err}", file=sys.stderr)
         return 2
     return 0

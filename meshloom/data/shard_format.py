@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from meshloom.config.errors import UserError
 from meshloom.data.tokenizer import Tokenizer, atomic_write_bytes
 
 FORMAT = "meshloom-shards/1"
@@ -52,13 +53,13 @@ def read_meta(folder: Path) -> dict[str, Any]:
     meta_path = folder / META_FILE
     if not meta_path.is_file():
         unfinished = " (prepare did not finish: rerun it to resume)" if (folder / STATE_FILE).is_file() else ""
-        raise ValueError(
+        raise UserError(
             f"data.shards: {folder} has no {META_FILE}{unfinished}; make the folder with "
             f"`meshloom prepare INPUTS --output {folder}`"
         )
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"data.shards: {meta_path} has format {meta.get('format')!r}, this version reads {FORMAT!r}")
+        raise UserError(f"data.shards: {meta_path} has format {meta.get('format')!r}, this version reads {FORMAT!r}")
     return meta
 
 
@@ -92,13 +93,13 @@ class ShardSet:
             size = path.stat().st_size if path.is_file() else None
             if size != expected:
                 state = "missing" if size is None else f"truncated ({size} bytes, expected {expected})" if size < expected else f"{size} bytes, expected {expected}"
-                raise ValueError(
+                raise UserError(
                     f"data.shards: {path} is {state}; rerun `meshloom prepare` with the same inputs and "
                     f"--output {self.folder} to repair it"
                 )
         offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE).astype(np.int64)
         if offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) <= 0):
-            raise ValueError(f"data.shards: {idx_path} is damaged (offsets not increasing from 0 to {n_tokens}); rerun `meshloom prepare` to repair it")
+            raise UserError(f"data.shards: {idx_path} is damaged (offsets not increasing from 0 to {n_tokens}); rerun `meshloom prepare` to repair it")
         # A plain ndarray view of the map: slicing a np.memmap object is several times slower.
         self._tokens.append(np.memmap(bin_path, dtype=self.dtype, mode="r").view(np.ndarray))
         return offsets
@@ -119,7 +120,7 @@ class ShardSet:
     def check_tokenizer(self, tokenizer: Tokenizer, setting: str) -> None:
         """The run must read the ids with the tokenizer that wrote them."""
         if tokenizer.identity != self.tokenizer_identity:
-            raise ValueError(
+            raise UserError(
                 f"data.shards: {self.folder} was prepared with tokenizer {self.tokenizer_identity} but this run's "
                 f"tokenizer (data.tokenizer={setting!r}) is {tokenizer.identity}; train with the tokenizer the shards "
                 "were made with, or prepare them again with this one"

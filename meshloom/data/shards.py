@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from meshloom.config.errors import UserError
 from meshloom.data.loader import GlobalOrderLoader, Window
 from meshloom.data.mixing import MixSchedule
 from meshloom.data.shard_format import ShardSet, read_meta
@@ -42,10 +43,10 @@ def parse_shards_setting(value: str) -> list[tuple[str, float]]:
         if parsed is None:
             folder, parsed = item, 1.0
         if not parsed > 0:
-            raise ValueError(f"data.shards: weight of {folder} must be positive, got {weight}")
+            raise UserError(f"data.shards: weight of {folder} must be positive, got {weight}")
         sources.append((folder, parsed))
     if not sources:
-        raise ValueError("data.shards is empty; give prepared folders, e.g. data.shards = \"shards/web:3,shards/code:1\"")
+        raise UserError("data.shards is empty; give prepared folders, e.g. data.shards = \"shards/web:3,shards/code:1\"")
     return sources
 
 
@@ -54,7 +55,7 @@ def check_shard_folders(setting: str) -> list[tuple[str, float]]:
     specs = parse_shards_setting(setting)
     for folder, _ in specs:
         if not Path(folder).is_dir():
-            raise ValueError(f"data.shards: folder {folder} not found; make it with `meshloom prepare INPUTS --output {folder}`")
+            raise UserError(f"data.shards: folder {folder} not found; make it with `meshloom prepare INPUTS --output {folder}`")
         read_meta(Path(folder))
     return specs
 
@@ -204,10 +205,10 @@ class ShardLoader(GlobalOrderLoader):
         """Resume from state_dict(); any data-parallel degree and batch size. The saved seed is adopted."""
         missing = {"consumed", "seed", "data"} - set(sd)
         if missing:
-            raise ValueError(f"data loader state is missing {sorted(missing)}")
+            raise UserError(f"data loader state is missing {sorted(missing)}")
         if sd["data"] != self._fingerprint():
             changed = sorted(k for k in sd["data"] if sd["data"][k] != self._fingerprint().get(k))
-            raise ValueError(
+            raise UserError(
                 f"data loader state was saved for other data ({', '.join(changed)} differ: saved {sd['data']}); "
                 "resume with the same data.shards, data.sampling, data.validation_fraction and training.seq_len"
             )
@@ -241,7 +242,7 @@ def build_shard_loaders(
         is_val = held_out(shards.num_documents, validation_fraction)
         source = ShardSource(shards, np.flatnonzero(~is_val), seq_len, sampling, seed, k, document_mask=document_mask)
         if source.num_samples < 1:
-            raise ValueError(
+            raise UserError(
                 f"data.shards: {folder} has {int(source.stored.ends[-1]) if len(source.documents) else 0} training tokens, "
                 f"fewer than training.seq_len+1={seq_len + 1}; prepare more text or lower training.seq_len"
             )

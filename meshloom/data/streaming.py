@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from meshloom.config.errors import UserError
 from meshloom.data.documents import BadInputPolicy, HF_PREFIX, bad, empty_counts, good, text_of
 from meshloom.data.loader import Batch, Window, batch_of
 from meshloom.data.tokenizer import Tokenizer
@@ -46,10 +47,10 @@ def stream_files(spec: str) -> tuple[str, list[str]]:
     elif path.is_file():
         files = [spec]
     else:
-        raise ValueError(f"data.stream: {spec} matches no file or folder; give .jsonl/.json/.parquet/.txt files or hf:NAME")
+        raise UserError(f"data.stream: {spec} matches no file or folder; give .jsonl/.json/.parquet/.txt files or hf:NAME")
     builders = {_BUILDERS.get(Path(f).suffix) for f in files}
     if not files or None in builders or len(builders) != 1:
-        raise ValueError(
+        raise UserError(
             f"data.stream: {spec} must name files of one kind, .jsonl/.json, .parquet or .txt "
             f"(found {sorted({Path(f).suffix for f in files}) or 'none'}); prepare mixed inputs with `meshloom prepare`"
         )
@@ -145,7 +146,7 @@ class StreamingLoader:
             except StopIteration:
                 if not self._found_in_epoch:
                     side = "held-out (data.validation_fraction)" if self.validation else "training"
-                    raise ValueError(f"data.stream: {self.spec} has no usable {side} document for data-parallel rank {self.dp_rank}") from None
+                    raise UserError(f"data.stream: {self.spec} has no usable {side} document for data-parallel rank {self.dp_rank}") from None
                 self.epoch += 1
                 self._iterator, self._read, self._found_in_epoch = None, 0, False
                 continue
@@ -156,7 +157,7 @@ class StreamingLoader:
                         "; the `datasets` json builder needs the fields of the first file in every file "
                         "(`meshloom prepare` reads each line on its own)"
                     )
-                raise ValueError(f"data.stream: reading {self.spec} failed after record {self._read} of this rank: {err}{hint}") from err
+                raise UserError(f"data.stream: reading {self.spec} failed after record {self._read} of this rank: {err}{hint}") from err
             where = f"data.stream {self.spec}: record {self._read} of rank {self.dp_rank}'s part, epoch {self.epoch}"
             self._read += 1
             text, why = text_of(record, self.text_field)
@@ -228,7 +229,7 @@ class StreamingLoader:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for key in ("stream", "validation", "dp_rank", "dp_size", "seq_len"):
             if sd.get(key) != getattr(self, "spec" if key == "stream" else key):
-                raise ValueError(
+                raise UserError(
                     f"streaming loader state was saved with {key}={sd.get(key)!r}, this run has "
                     f"{getattr(self, 'spec' if key == 'stream' else key)!r}; a stream resumes only with the same stream, "
                     "seq_len and data-parallel degree (prepare shards with `meshloom prepare` to resume under another degree)"

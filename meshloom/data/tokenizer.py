@@ -18,6 +18,8 @@ from typing import Callable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from meshloom.config.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_BOS = "<|bos|>"
@@ -173,7 +175,7 @@ def _builtin(
     on_train: Callable[[], None] | None = None,
 ) -> Tokenizer:
     if vocab_size < 256 + 2:
-        raise ValueError(
+        raise UserError(
             f"data.vocab_size={vocab_size} is too small for the built-in byte-level BPE: "
             "it needs at least 258 (256 bytes + <|bos|> + <|eos|>)"
         )
@@ -227,10 +229,10 @@ def _hf_json(path: Path) -> Tokenizer:
     try:
         tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise ValueError(f"data.tokenizer={str(path)!r} is not a valid tokenizer.json: {e}") from e
+        raise UserError(f"data.tokenizer={str(path)!r} is not a valid tokenizer.json: {e}") from e
     bos, eos = _find_id(tok, _BOS_NAMES), _find_id(tok, _EOS_NAMES)
     if bos is None or eos is None:
-        raise ValueError(
+        raise UserError(
             f"data.tokenizer={str(path)!r}: cannot find a BOS/EOS token; looked for "
             f"BOS in {list(_BOS_NAMES)} and EOS in {list(_EOS_NAMES)}"
         )
@@ -247,17 +249,17 @@ def load_tiktoken_ranks(data: bytes, source: str) -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError as e:
-            raise ValueError(
+            raise UserError(
                 f"data.tokenizer={source!r}: line {lineno} is not 'base64token rank': {line[:80]!r}"
             ) from e
     if not ranks:
-        raise ValueError(f"data.tokenizer={source!r}: no token ranks in the file")
+        raise UserError(f"data.tokenizer={source!r}: no token ranks in the file")
     if len(set(ranks.values())) != len(ranks):
-        raise ValueError(f"data.tokenizer={source!r}: duplicate ranks in the file")
+        raise UserError(f"data.tokenizer={source!r}: duplicate ranks in the file")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         # tiktoken cannot encode a byte without a rank, so text with it would crash later.
-        raise ValueError(
+        raise UserError(
             f"data.tokenizer={source!r}: {len(missing)} single-byte tokens missing "
             f"(e.g. byte {missing[0]}); a byte-level BPE file must rank all 256 bytes"
         )
@@ -294,7 +296,7 @@ def build_tokenizer(
         return _builtin(train_texts, vocab_size, cache_dir, texts_identity, on_train)
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"data.tokenizer={spec!r}: no such file; use 'builtin', a tokenizer.json path "
             "or a tiktoken BPE file path"
         )

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshloom.config.errors import UserError
 from meshloom.config.schema import DataConfig
 from meshloom.data.tokenizer import Tokenizer
 
@@ -49,7 +50,7 @@ class EvalSet:
 
 def _from_texts(name: str, texts: list[str], tokenizer: Tokenizer) -> EvalSet:
     if not texts:
-        raise ValueError(f"--data {name}: no documents to evaluate")
+        raise UserError(f"--data {name}: no documents to evaluate")
     pieces = [np.asarray([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
     return EvalSet(name, np.concatenate(pieces), sum(len(t.encode("utf-8")) for t in texts), len(texts))
 
@@ -59,7 +60,7 @@ def _shards(folder: Path, tokenizer: Tokenizer) -> EvalSet:
 
     shards = ShardSet(folder)
     if tokenizer.identity != shards.tokenizer_identity:
-        raise ValueError(
+        raise UserError(
             f"--data {folder}: the shards were prepared with tokenizer {shards.tokenizer_identity}, but the model's is "
             f"{tokenizer.identity}; evaluate text files instead, or prepare the shards with the model's tokenizer"
         )
@@ -87,8 +88,8 @@ def load_eval_set(specs: list[str], tokenizer: Tokenizer, data: DataConfig, text
 
     try:
         sources = expand_inputs(specs)
-    except ValueError as err:
-        raise ValueError(f"--data: {err}; or give '{VALIDATION}' or a `meshloom prepare` folder") from None
+    except UserError as err:
+        raise UserError(f"--data: {err}; or give '{VALIDATION}' or a `meshloom prepare` folder") from None
     texts, policy, counts = [], BadInputPolicy("error"), empty_counts()
     for source in sources:
         for record in source.records(text_field, "validation"):

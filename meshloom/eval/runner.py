@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from meshloom.config.errors import ConfigError
+from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.loader import load_config, sections
 from meshloom.config.schema import Config
 from meshloom.eval.data import IGNORE, EvalSet, load_eval_set
@@ -102,6 +102,7 @@ class _Model:
 
     def __init__(self, plan: RunPlan, device: torch.device):
         from meshloom.train.model_setup import build_model, build_pipeline_stages  # noqa: PLC0415
+        from meshloom.train.loss import TrainingLoss  # noqa: PLC0415
         from meshloom.train.pipeline_step import PipelineRunner  # noqa: PLC0415
 
         self.plan, self.device = plan, device
@@ -113,7 +114,7 @@ class _Model:
             pp_mesh = plan.dims.mesh("pp")
             stage_ids = plan.pipeline.stages_of(pp_mesh.get_local_rank())
             stages = build_pipeline_stages(plan, device, stage_ids)
-            self.runner = PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, autocast, _sum_loss)
+            self.runner = PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, autocast, TrainingLoss(_sum_loss, {}))
             self.parts = stages
         else:
             self.parts = [build_model(plan, device)]
@@ -123,7 +124,7 @@ class _Model:
     @torch.no_grad()
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.runner is not None:
-            # The schedule scales each microbatch's loss by 1/microbatches; undo it to keep a plain sum.
+            # eval_loss is the mean over microbatches of each one's summed loss; times their number, the batch's sum.
             return self.runner.eval_loss(inputs, labels, None) * self.plan.pipeline.microbatches
         with self.autocast():
             logits = self.parts[0](inputs.to(self.device))
@@ -138,16 +139,16 @@ def evaluate(source_path: str | Path, options: EvalOptions) -> dict[str, Any]:
     config = _config(source, options.overrides)
     seq_len = options.seq_len or (min(args.max_seq_len, 2048) if source.hf is not None else config.training.seq_len)
     if not 1 <= seq_len <= args.max_seq_len:
-        raise ValueError(f"--seq-len {seq_len} must be between 1 and the model's max_seq_len {args.max_seq_len}")
+        raise UserError(f"--seq-len {seq_len} must be between 1 and the model's max_seq_len {args.max_seq_len}")
     if options.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {options.batch_size}")
+        raise UserError(f"--batch-size must be >= 1, got {options.batch_size}")
     config.training = dataclasses.replace(config.training, seq_len=seq_len, local_batch_size=options.batch_size, global_batch_size=-1)
     config.parallelism.loss_parallel = False  # whole logits on every tensor-parallel rank: a plain summed loss
     config.model.name, config.model.n_layers = spec.name, args.n_layers
     plan = eval_plan(config, world_size_from_env(), spec, args)
     tokenizer = loading.load_tokenizer(source, options.tokenizer)
     if tokenizer.vocab_size > args.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {args.vocab_size}; pass the model's own --tokenizer")
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {args.vocab_size}; pass the model's own --tokenizer")
     eval_set = load_eval_set(options.data, tokenizer, config.data, options.text_field)
 
     device = select_device(config.training.device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshloom.config.errors import UserError
 from meshloom.inference.kv_cache import KVCache
 from meshloom.inference.sampling import SamplingSettings, next_tokens
 
@@ -52,12 +53,12 @@ def max_context(model: nn.Module) -> int:
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int, what: str = "prompt") -> None:
     """Raise ValueError naming the prompt and --max-new-tokens when a prompt cannot fit the context."""
     if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     for i, prompt in enumerate(prompts):
         if not prompt:
-            raise ValueError(f"{what} {i} is empty: it encodes to no tokens")
+            raise UserError(f"{what} {i} is empty: it encodes to no tokens")
         if len(prompt) + max_new_tokens > context:
-            raise ValueError(
+            raise UserError(
                 f"{what} {i} has {len(prompt)} tokens; with --max-new-tokens {max_new_tokens} it needs "
                 f"{len(prompt) + max_new_tokens} positions, more than the model's context (max_seq_len = {context}); "
                 "shorten the prompt or lower --max-new-tokens"

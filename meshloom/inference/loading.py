@@ -23,6 +23,7 @@ from torch import nn
 
 from meshloom.checkpoint import folders
 from meshloom.checkpoint.hf import INDEX_FILE, WEIGHTS_FILE, HFFolder, from_hf
+from meshloom.config.errors import UserError
 from meshloom.config.schema import Config, DataConfig
 from meshloom.models.spec import ModelSpec
 
@@ -49,7 +50,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is unreadable: {err}") from None
+        raise UserError(f"{path} is unreadable: {err}") from None
 
 
 def _is_run_config(config: dict[str, Any]) -> bool:
@@ -60,7 +61,7 @@ def resolve(path: str | Path) -> InferenceSource:
     """Classify RUN_DIR | CHECKPOINT | HF_FOLDER; ValueError naming what is missing."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{path} not found; give a run folder, a checkpoint (step-N folder) or a Hugging Face model folder")
+        raise UserError(f"{path} not found; give a run folder, a checkpoint (step-N folder) or a Hugging Face model folder")
     config_file = path / folders.CONFIG_FILE
     config = _read_json(config_file) if config_file.is_file() else None
     if config is not None and not _is_run_config(config) and ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file()):
@@ -74,7 +75,7 @@ def resolve(path: str | Path) -> InferenceSource:
         root = checkpoint_root(_config_of(config), path)
         complete, _ = folders.list_checkpoints(root)
         if not complete:
-            raise ValueError(
+            raise UserError(
                 f"run folder {path} holds no complete checkpoint under {root}{folders.describe_without_complete(root)}; "
                 "train with --checkpoint.enable true (and checkpoint.interval), or point at a checkpoint or Hugging Face folder"
             )
@@ -82,7 +83,7 @@ def resolve(path: str | Path) -> InferenceSource:
     if (path / "step-0").exists() or folders.list_checkpoints(path)[0]:
         info = folders.open_checkpoint(path)
         return InferenceSource("checkpoint", path, checkpoint=info, run_config=_checkpoint_run_config(info))
-    raise ValueError(
+    raise UserError(
         f"{path} is neither a run folder (config.json of a run + checkpoints), a checkpoint (step-N folder with "
         f"{folders.MARKER_FILE}) nor a Hugging Face model folder (config.json + {WEIGHTS_FILE} or {INDEX_FILE})"
     )
@@ -139,7 +140,7 @@ def load_model(source: InferenceSource, device: torch.device, dtype: torch.dtype
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as err:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {source.checkpoint.path} does not fit the model its {folders.MODEL_ARGS_FILE} describes: {err}"
         ) from None
     return model.to(dtype).eval()
@@ -151,13 +152,13 @@ def load_tokenizer(source: InferenceSource, override: str | None = None):
 
     if override:
         if not Path(override).is_file():
-            raise ValueError(f"--tokenizer {override}: no such file; give a tokenizer.json or a tiktoken BPE file")
+            raise UserError(f"--tokenizer {override}: no such file; give a tokenizer.json or a tiktoken BPE file")
         return build_tokenizer(override, [], 0, Path("."))
     if source.hf is not None:
         return hf_folder_tokenizer(source.hf)
     config = run_config(source)
     if config is None:
-        raise ValueError(
+        raise UserError(
             f"{source.describe()} has no run config.json, so its tokenizer is unknown; pass --tokenizer PATH "
             "(a tokenizer.json or tiktoken file)"
         )
@@ -170,7 +171,7 @@ def hf_folder_tokenizer(folder: HFFolder):
 
     file = folder.path / HF_TOKENIZER_FILE
     if not file.is_file():
-        raise ValueError(f"Hugging Face folder {folder.path} has no {HF_TOKENIZER_FILE}; pass --tokenizer PATH")
+        raise UserError(f"Hugging Face folder {folder.path} has no {HF_TOKENIZER_FILE}; pass --tokenizer PATH")
     bos, eos = folder.config.get("bos_token_id"), folder.config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     try:
@@ -197,20 +198,20 @@ def data_tokenizer(data: DataConfig, where: str):
 
     if data.tokenizer != "builtin":
         if not Path(data.tokenizer).expanduser().is_file():
-            raise ValueError(
+            raise UserError(
                 f"{where}: its tokenizer, data.tokenizer = {data.tokenizer!r}, is not found; restore the file or pass "
                 "--tokenizer PATH"
             )
         return build_tokenizer(data.tokenizer, [], data.vocab_size, cache_dir(data))
     try:
         docs = load_documents(data.path or None, data.glob, data.max_bytes or None)
-    except ValueError as err:
-        raise ValueError(f"{where}: the built-in tokenizer is found by the corpus it was trained on, and {err}") from None
+    except UserError as err:
+        raise UserError(f"{where}: the built-in tokenizer is found by the corpus it was trained on, and {err}") from None
     train_docs, _ = split_documents(docs, data.validation_fraction)
     texts = [text for _, text in train_docs]
 
     def not_cached() -> list[str]:
-        raise ValueError(
+        raise UserError(
             f"{where}: data.tokenizer = 'builtin' (vocab_size {data.vocab_size}) is not cached in data.cache_dir = "
             f"{cache_dir(data)} for this corpus (tokenizer-*.json there); restore that folder, or pass --tokenizer PATH"
         )

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshloom.config.errors import UserError
+
 # How each setting is called where it is set; error messages name it so.
 CLI_NAMES = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"}
 
@@ -20,11 +22,11 @@ class SamplingSettings:
     def check(self, names: dict[str, str] = CLI_NAMES) -> SamplingSettings:
         """Raise ValueError naming the setting (as `names` calls it) for a value outside its range."""
         if not self.temperature >= 0:
-            raise ValueError(f"{names['temperature']} must be >= 0 (0 = greedy), got {self.temperature}")
+            raise UserError(f"{names['temperature']} must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"{names['top_k']} must be >= 0 (0 = no top-k cut), got {self.top_k}")
+            raise UserError(f"{names['top_k']} must be >= 0 (0 = no top-k cut), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"{names['top_p']} must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
+            raise UserError(f"{names['top_p']} must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
         return self
 
     @property

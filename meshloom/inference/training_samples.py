@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from meshloom.checkpoint.hf_export import gather_full_state
-from meshloom.config.errors import ConfigError
+from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
 from meshloom.inference.generate import check_prompts, generate
 from meshloom.inference.prompts import read_prompts
@@ -38,9 +38,9 @@ def check_sampling_config(config: Config) -> list[str]:
     try:
         SamplingSettings(v.temperature, v.top_k, v.top_p, v.sample_seed).check(SETTING_NAMES)
         if v.max_new_tokens < 1:
-            raise ValueError(f"validation.max_new_tokens must be >= 1, got {v.max_new_tokens}")
+            raise UserError(f"validation.max_new_tokens must be >= 1, got {v.max_new_tokens}")
         return read_prompts(v.prompts, "validation.prompts")
-    except ValueError as err:
+    except UserError as err:
         raise ConfigError(str(err)) from None
 
 
@@ -53,7 +53,7 @@ class PromptSampler:
         self.prompts = [[tokenizer.bos_id, *tokenizer.encode(text)] for text in prompts]
         try:
             check_prompts(self.prompts, self.max_new_tokens, plan.model_args.max_seq_len, what="validation.prompts prompt")
-        except ValueError as err:
+        except UserError as err:
             raise ConfigError(str(err).replace("--max-new-tokens", "validation.max_new_tokens")) from None
         self._copy: nn.Module | None = None
         self.seconds: list[float] = []

@@ -25,6 +25,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from meshloom.checkpoint.hf import parse_dtype
+from meshloom.config.errors import UserError
 from meshloom.inference import loading
 from meshloom.inference.generate import generate
 from meshloom.inference.sampling import SamplingSettings
@@ -52,7 +53,7 @@ class MeshloomLM(TemplateLM):
     ) -> None:
         super().__init__()
         if not path:
-            raise ValueError("--model_args needs path=RUN_DIR|CHECKPOINT|HF_FOLDER for --model meshloom")
+            raise UserError("--model_args needs path=RUN_DIR|CHECKPOINT|HF_FOLDER for --model meshloom")
         source = loading.resolve(path)
         self.meshloom_tokenizer = loading.load_tokenizer(source, tokenizer)
         if device in (None, "auto"):
@@ -145,7 +146,7 @@ class MeshloomLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
             max_new = kwargs.pop("max_gen_toks")
             if max_new >= self.max_length:
-                raise ValueError(f"gen_kwargs max_gen_toks={max_new} must be less than the model's max_length {self.max_length}")
+                raise UserError(f"gen_kwargs max_gen_toks={max_new} must be less than the model's max_length {self.max_length}")
             sampling = SamplingSettings(
                 float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0,
                 int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0), int(kwargs.get("seed", 1234)),

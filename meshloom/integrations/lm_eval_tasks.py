@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from meshloom.config.errors import UserError
+
 # What each output_type reads from a task file (beyond `task` and `dataset_path`).
 REQUIRED = {
     "loglikelihood": ("doc_to_text", "doc_to_target"),
@@ -51,12 +53,12 @@ def check_task_files(include_path: str | Path, tasks: list[str] | None = None) -
             continue  # groups, tags and task lists are lm_eval's own business
         output_type = config.get("output_type", "generate_until")
         if output_type not in REQUIRED:
-            raise ValueError(f"task {name!r} in {path}: output_type {output_type!r} is not one of {sorted(REQUIRED)}")
+            raise UserError(f"task {name!r} in {path}: output_type {output_type!r} is not one of {sorted(REQUIRED)}")
         for field in ("dataset_path", *REQUIRED[output_type]):
             if config.get(field) is None:
-                raise ValueError(f"task {name!r} in {path} has no {field!r}, which an output_type {output_type!r} task needs")
+                raise UserError(f"task {name!r} in {path} has no {field!r}, which an output_type {output_type!r} task needs")
         if not any(config.get(split) for split in SPLITS):
-            raise ValueError(f"task {name!r} in {path} names no split to evaluate: set test_split or validation_split")
+            raise UserError(f"task {name!r} in {path} names no split to evaluate: set test_split or validation_split")
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from meshloom.config.errors import UserError
 from meshloom.models.spec import ModelSpec
 
 MODEL_REGISTRY: dict[str, ModelSpec] = {}
@@ -73,7 +74,7 @@ def import_plugin(module: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as err:
-        raise ValueError(
+        raise UserError(
             f"model.plugin: cannot import {module!r} ({err}); give an importable module path (on PYTHONPATH) that calls "
             "meshloom.models.registry.register_model, or leave model.plugin empty"
         ) from None

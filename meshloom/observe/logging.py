@@ -12,6 +12,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from meshloom.config.errors import UserError
+
 # Console formatting of the standard keys, in display order: key -> (label, format).
 # Any other key (e.g. "val_loss") is appended after these, in the order given, except keys with a "/" (per-layer
 # detail such as "moe/layers.3/entropy"), which go to TensorBoard, metrics.jsonl and W&B only.
@@ -75,7 +77,7 @@ class MetricLogger:
             try:
                 import wandb as wandb_module
             except ImportError:
-                raise ValueError(
+                raise UserError(
                     "metrics.wandb is enabled but the `wandb` package is not installed; "
                     "install it (pip install 'meshloom[wandb]') or set metrics.wandb = false"
                 ) from None

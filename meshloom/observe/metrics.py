@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from meshloom.config.errors import UserError
+
 # Name of the config setting that overrides the peak, quoted in messages so users know what to set.
 PEAK_OVERRIDE_SETTING = "metrics.peak_tflops"
 
@@ -86,7 +88,7 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     elif dtype == torch.float32:
         column = 2
     else:
-        raise ValueError(
+        raise UserError(
             f"no peak FLOPs figure for dtype {dtype}; use bfloat16, float16 or float32, "
             f"or set {PEAK_OVERRIDE_SETTING}"
         )
@@ -218,7 +220,7 @@ def peak_flops_per_second(
     """
     if override_tflops is not None:
         if override_tflops <= 0:
-            raise ValueError(
+            raise UserError(
                 f"{PEAK_OVERRIDE_SETTING} must be a positive number of TFLOPs per device, "
                 f"got {override_tflops}; leave it unset to use the built-in table"
             )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from meshloom.config.errors import ConfigError
+from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
 from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
 from meshloom.planning.layout import layout_of, precision_from_config
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
     try:
         world_size, rest = split_dry_run_args(argv)
         print(dry_run(load_config(rest), world_size).format())
-    except ValueError as err:
+    except UserError as err:
         print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshloom.config.errors import UserError
 from meshloom.observe.flight_recorder import FOLDER
 
 _RANK_FILE = re.compile(r"rank-(\d+)\.json")
@@ -99,9 +100,9 @@ def find_dump_folder(path: Path, attempt: int | None = None) -> Path:
     """A run folder, its flight_recorder/ folder or one attempt folder -> the folder holding rank-*.json."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{path} does not exist; pass the run folder (job.dump_folder) of the failed run")
+        raise UserError(f"{path} does not exist; pass the run folder (job.dump_folder) of the failed run")
     if not path.is_dir():
-        raise ValueError(f"{path} is a file; pass the run folder (job.dump_folder) of the failed run")
+        raise UserError(f"{path} is a file; pass the run folder (job.dump_folder) of the failed run")
     if any(_RANK_FILE.fullmatch(p.name) for p in path.glob("rank-*.json")):
         return path
     base = path / FOLDER if (path / FOLDER).is_dir() else path
@@ -112,7 +113,7 @@ def find_dump_folder(path: Path, attempt: int | None = None) -> Path:
         attempts = [a for a in attempts if a[0] == attempt]
     if not attempts:
         which = f"attempt-{attempt}" if attempt is not None else "any attempt"
-        raise ValueError(
+        raise UserError(
             f"no Flight Recorder dumps (rank-N.json) for {which} under {path}; they are written to "
             f"<dump_folder>/{FOLDER}/attempt-N/ when a multi-rank run times out, crashes or gets SIGTERM (comm.flight_recorder)"
         )
@@ -126,7 +127,7 @@ def load_dumps(folder: Path) -> dict[int, dict[str, Any]]:
             try:
                 dumps[int(match.group(1))] = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as err:
-                raise ValueError(f"{path} is not a readable dump: {err}") from None
+                raise UserError(f"{path} is not a readable dump: {err}") from None
     return dumps
 
 
@@ -158,7 +159,7 @@ def _collective(group: str, entry: dict[str, Any]) -> Collective:
 def analyze(folder: Path, late_seconds: float = 1.0) -> HangReport:
     dumps = load_dumps(folder)
     if not dumps:
-        raise ValueError(f"no rank-N.json dumps in {folder}")
+        raise UserError(f"no rank-N.json dumps in {folder}")
     world_size = max(int(d.get("world_size", 0)) for d in dumps.values())
     ranks = {
         r: RankState(r, str(d.get("host", "?")), str(d.get("reason", "?")), d.get("steps_completed"), list(d.get("stack", [])))
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         report = analyze(find_dump_folder(args.run_dir, args.attempt), args.late_seconds)
-    except ValueError as err:
+    except UserError as err:
         print(f"meshloom analyze-hang: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(_jsonable(report), indent=1) if args.json else format_report(report))

@@ -22,8 +22,10 @@ from meshloom.checkpoint.hf import (
     parse_size,
     write_hf_folder,
 )
+from meshloom.checkpoint.hf_export import run_tokenizer_files
 from meshloom.checkpoint.output import staged_file, staged_folder
 from meshloom.checkpoint.safe_read import METADATA_FILE
+from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config
 from meshloom.parallel.distributed import world_size_from_env
 from meshloom.planning.run_plan import RunPlan
@@ -39,12 +41,12 @@ def seed_checkpoint(argv: list[str]) -> Path:
     """Initial weights of the configured model from one process, as step-0 of the run's checkpoint folder."""
     config = load_config(argv)
     if world_size_from_env() > 1:
-        raise ValueError("seed-checkpoint runs in one process; start it without torchrun")
+        raise UserError("seed-checkpoint runs in one process; start it without torchrun")
     root = Path(config.checkpoint.folder)
     root = root if root.is_absolute() else Path(config.job.dump_folder) / root
     complete, _ = folders.list_checkpoints(root)
     if complete:
-        raise ValueError(f"{root} already holds checkpoints (up to step {complete[-1].step}); choose another job.dump_folder")
+        raise UserError(f"{root} already holds checkpoints (up to step {complete[-1].step}); choose another job.dump_folder")
     plan = RunPlan.build(config, world_size=1)
     torch.manual_seed(config.training.seed)
     model = build_model(plan, torch.device("cpu"), parallelize=False)
@@ -63,7 +65,7 @@ def seed_checkpoint_main(argv: list[str]) -> int:
         return 0
     try:
         path = seed_checkpoint(argv)
-    except ValueError as err:
+    except UserError as err:
         return _fail(str(err))
     print(f"seed checkpoint written to {path}")
     return 0
@@ -92,9 +94,13 @@ def convert_main(argv: list[str]) -> int:
             info = folders.open_checkpoint(args.src)
             spec, model_args, extra = read_model_args(info)
             dtype, max_shard = parse_dtype(args.dtype), parse_size(args.max_shard_size)
+            files, token_ids, note = run_tokenizer_files(info.path)
+            base_config = {**(extra.get("hf_config") or {}), **token_ids}
             with staged_folder(args.dst, args.overwrite) as tmp:
-                write_hf_folder(read_model_weights(info), spec, model_args, tmp, dtype, max_shard, extra.get("hf_config"))
-            print(f"Hugging Face model written to {args.dst}")
+                write_hf_folder(read_model_weights(info), spec, model_args, tmp, dtype, max_shard, base_config)
+                for name, data in files.items():
+                    (tmp / name).write_bytes(data)
+            print(f"Hugging Face model written to {args.dst} ({note})")
         elif (args.src / WEIGHTS_FILE).is_file() or (args.src / INDEX_FILE).is_file():
             folder = HFFolder(args.src)
             model = from_hf(folder.path)
@@ -103,7 +109,7 @@ def convert_main(argv: list[str]) -> int:
             print(f"meshloom checkpoint written to {args.dst}; train from it with --checkpoint.initial_load_path {args.dst}")
         else:
             return _fail(f"{args.src} is neither a meshloom checkpoint nor a Hugging Face model folder ({WEIGHTS_FILE} or {INDEX_FILE})")
-    except (ValueError, OSError) as err:
+    except (UserError, OSError) as err:
         return _fail(str(err))
     return 0
 
@@ -126,7 +132,7 @@ def export_main(argv: list[str]) -> int:
         metadata = {"format": "pt", "model": spec.name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
         with staged_file(args.out, args.overwrite) as tmp:
             save_file(weights, tmp, metadata=metadata)
-    except (ValueError, OSError) as err:
+    except (UserError, OSError) as err:
         return _fail(str(err))
     print(f"step {info.step} weights ({len(weights)} tensors, {args.dtype}) written to {args.out}")
     return 0

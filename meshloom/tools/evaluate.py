@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from meshloom.config.errors import UserError
+
 DESCRIPTION = """Evaluate a run folder (its latest complete checkpoint), a checkpoint or a Hugging Face folder on held-out
 text: 'validation' (the held-out split of the run's data.path, or of the built-in corpus), a folder made by
 `meshloom prepare`, or .txt/.jsonl/.json/.parquet files and folders of them. Writes loss, perplexity and bits per
@@ -37,7 +39,7 @@ def main(argv: list[str]) -> int:
     try:
         bad = [a for a in settings if a.startswith("--") and "." not in a.partition("=")[0]]
         if bad:
-            raise ValueError(f"unknown argument {bad[0]}; settings look like --parallelism.tp 2")
+            raise UserError(f"unknown argument {bad[0]}; settings look like --parallelism.tp 2")
         options = EvalOptions(
             args.data, args.seq_len, args.batch_size, args.max_batches, args.text_field, args.tokenizer, tuple(settings), not args.no_progress
         )
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> int:
             shown = {k: result[k] for k in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")}
             print(json.dumps(shown), file=sys.stdout)
             print(f"wrote {args.output}", file=sys.stderr)
-    except ValueError as err:  # ConfigError included: a setting and its fix
+    except UserError as err:  # ConfigError included: a setting and its fix
         print(f"meshloom: error: {err}", file=sys.stderr)
         code = 2
     shutdown_and_exit(code)  # returns only without a process group

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from meshloom.config.errors import UserError
 from meshloom.inference.sampling import SamplingSettings
 
 DESCRIPTION = """Continue one prompt (streamed to the console) or a file of prompts (written as JSONL) with a trained
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).check()
     if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     texts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts, "--prompts")
     source = loading.resolve(args.source)
     tokenizer = loading.load_tokenizer(source, args.tokenizer)
@@ -124,6 +125,6 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     try:
         return run(args)
-    except ValueError as err:
+    except UserError as err:
         print(f"meshloom: error: {err}", file=sys.stderr)
         return 2

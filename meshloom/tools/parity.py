@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshloom.config.errors import UserError
 from meshloom.parallel.dims import MESH_DIMS
 from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16
 
@@ -66,7 +67,7 @@ class Layout:
         for item in filter(None, spec.split(",")):
             key, eq, value = item.partition("=")
             if not eq:
-                raise ValueError(f"layout item {item!r} in {spec!r} must look like key=value, e.g. dp_shard=2")
+                raise UserError(f"layout item {item!r} in {spec!r} must look like key=value, e.g. dp_shard=2")
             settings[key.strip()] = value.strip()
         return cls(spec, settings)
 
@@ -145,7 +146,7 @@ def check_cases(cases: dict[str, list[str]], world_size: int) -> None:
         try:
             RunPlan.build(load_config(argv), world_size)
         except ValueError as err:
-            raise ValueError(f"layout {spec!r}: {err}") from None
+            raise UserError(f"layout {spec!r}: {err}") from None
 
 
 def launch(layouts: list[Layout], steps: int, workdir: Path, common: list[str] | None = None) -> dict[str, Curve]:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshloom.config.errors import ConfigError
+from meshloom.config.errors import UserError
 from meshloom.planning.memory_estimate import GIB
 from meshloom.planning.planner import INTERCONNECTS, Cluster, format_table, layout_toml, plan
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(opts.gpus, opts.gpus_per_node, opts.gpu_memory_gib, opts.interconnect, opts.peak_tflops, opts.mfu, opts.headroom)
     try:
         candidates = plan(opts.flavor, cluster, opts.seq_len, opts.global_batch, model=opts.model)
-    except (ValueError, ConfigError) as err:
+    except UserError as err:
         print(f"meshloom plan: error: {err}", file=sys.stderr)
         return 2
     print(f"{opts.model} {opts.flavor} on {opts.gpus} x {opts.gpu_memory_gib:g} GiB ({opts.interconnect}), seq {opts.seq_len}, "

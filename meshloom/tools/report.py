@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from matplotlib.figure import Figure
+
+from meshloom.config.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -27,16 +30,28 @@ def load_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]
     """
     run_dir = Path(run_dir)
     if not run_dir.exists():
-        raise ValueError(f"run directory {str(run_dir)!r} does not exist; pass the job.dump_folder of a run")
+        raise UserError(f"run directory {str(run_dir)!r} does not exist; pass the job.dump_folder of a run")
     if not run_dir.is_dir():
-        raise ValueError(f"{str(run_dir)!r} is a file, not a run directory; pass the job.dump_folder of a run")
+        raise UserError(f"{str(run_dir)!r} is a file, not a run directory; pass the job.dump_folder of a run")
     path = run_dir / METRICS_FILE
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"run directory {str(run_dir)!r} has no {METRICS_FILE}; "
             "pass the folder of a run that has logged at least one step"
         )
     by_step: dict[int, float] = {}
+    for lineno, record in _records(path):
+        if key in record:
+            try:
+                by_step[int(record["step"])] = float(record[key])
+            except (TypeError, ValueError):
+                raise UserError(f"{path}:{lineno}: 'step' and {key!r} must be numbers") from None
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def _records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of every non-empty line of a metrics.jsonl."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -44,16 +59,24 @@ def load_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict) or "step" not in record:
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'step' field")
-            if key in record:
-                try:
-                    by_step[int(record["step"])] = float(record[key])
-                except (TypeError, ValueError):
-                    raise ValueError(f"{path}:{lineno}: 'step' and {key!r} must be numbers") from None
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
+                raise UserError(f"{path}:{lineno}: expected a JSON object with a 'step' field")
+            yield lineno, record
+
+
+def load_events(run_dir: Path) -> list[dict]:
+    """The run's event rows in file order (resume and restart, written by the trainer), each with its step.
+
+    Call after load_curve, which checks the folder and file."""
+    return [record for _, record in _records(Path(run_dir) / METRICS_FILE) if "event" in record]
+
+
+def describe_event(event: dict) -> str:
+    """One line for a resume or restart row, e.g. "step 5: resume from .../step-5 (attempt 1)"."""
+    where = f" from {event['checkpoint']}" if event.get("checkpoint") else ""
+    attempt = f" (attempt {event['attempt']})" if event.get("attempt") else ""
+    return f"step {event['step']}: {event['event']}{where}{attempt}"
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
@@ -65,21 +88,22 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 
 def write_report(run_dirs: list[Path], out: Path | None) -> Path:
-    """Write a loss-vs-step PNG (one curve per run, validation loss dashed if logged).
+    """Write a loss-vs-step PNG (one curve per run, validation loss dashed if logged, resumes and restarts as
+    dotted vertical lines).
 
     Default output: RUN_DIR/loss.png for one run, or loss_comparison.png next to the first run
     directory when comparing several.
     """
     run_dirs = [Path(p) for p in run_dirs]
     if not run_dirs:
-        raise ValueError("no run directories given; pass at least one RUN_DIR")
+        raise UserError("no run directories given; pass at least one RUN_DIR")
 
     curves = []
     for run_dir in run_dirs:
         steps, losses = load_curve(run_dir, "loss")
         if not steps:
-            raise ValueError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
-        curves.append(((steps, losses), load_curve(run_dir, "val_loss")))
+            raise UserError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
+        curves.append(((steps, losses), load_curve(run_dir, "val_loss"), load_events(run_dir)))
 
     if out is None:
         out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
@@ -88,10 +112,15 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
 
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.add_subplot()
-    for label, ((steps, losses), (val_steps, val_losses)) in zip(_labels(run_dirs), curves):
+    for label, ((steps, losses), (val_steps, val_losses), events) in zip(_labels(run_dirs), curves):
         (line,) = ax.plot(steps, losses, label=label, linewidth=1.2)
         if val_steps:
             ax.plot(val_steps, val_losses, "--o", color=line.get_color(), markersize=3, label=f"{label} (val)")
+        # Where the run continued after a stop: the steps around it may have been trained twice.
+        for event in events:
+            ax.axvline(event["step"], color=line.get_color(), linestyle=":", linewidth=1)
+            ax.annotate(event["event"], (event["step"], 1), xycoords=("data", "axes fraction"), rotation=90,
+                        va="top", ha="right", fontsize=7, color=line.get_color())  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("training loss")
@@ -110,12 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = write_report(args.run_dirs, args.out)
-    except ValueError as e:
+    except UserError as e:
         print(f"meshloom report: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. --out in a folder that cannot be written
         print(f"meshloom report: error: cannot write {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
+    for label, run_dir in zip(_labels(args.run_dirs), args.run_dirs):
+        for event in load_events(run_dir):
+            print(f"{label}: {describe_event(event)}")
     print(f"wrote {path}")
     return 0
 

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from meshloom.config.errors import ConfigError
+from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.loader import load_config, split_config_args
 from meshloom.config.schema import DataConfig
 from meshloom.data.build import run_tokenizer
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     try:
         path = save_tokenizer(load_config(config_args).data, args.output, args.overwrite)
-    except ValueError as err:
+    except UserError as err:
         print(f"meshloom tokenizer: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {path}; use it with --data.tokenizer {path}")

@@ -17,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+from meshloom.config.errors import UserError
 from meshloom.config.schema import FaultInjectionConfig
 from meshloom.parallel.distributed import rank, restart_attempt
 
@@ -79,7 +80,7 @@ class FaultInjector:
                 return
         if isinstance(model, nn.ModuleList):
             return  # a pipeline rank without that parameter: the stage that holds it poisons it
-        raise ValueError(
+        raise UserError(
             f"fault_injection.nan_parameter {self.config.nan_parameter!r} is not a parameter with a gradient on rank "
             f"{rank()}; name one from model.named_parameters(), or leave it empty for the first parameter with a gradient"
         )

@@ -8,6 +8,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config
 from meshloom.config.schema import Config
 from meshloom.observe import flight_recorder
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             print(interrupted_message(config, trainer.step if trainer is not None else None, argv), file=sys.stderr, flush=True)
         # A collective may have been cut off mid-way: leave without the process group's teardown.
         os._exit(130)
-    except ValueError as err:  # user mistakes (ConfigError included) name the setting and the fix
+    except UserError as err:  # user mistakes (ConfigError included) name the setting and the fix; bugs keep their trace
         print(f"meshloom: error: {err}", file=sys.stderr)
         code = 2
     except NonFiniteError as err:

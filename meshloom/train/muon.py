@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 from torch.optim.adamw import adamw
 
+from meshloom.config.errors import UserError
 from meshloom.train.orthogonalize import Bucket, build_buckets, local_tensor
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
@@ -38,7 +39,7 @@ def adjusted_lr(lr: float, mode: str, shape: Sequence[int]) -> float:
         return lr * 0.2 * math.sqrt(max(m, n))
     if mode == "original":
         return lr * math.sqrt(max(1, m / n))
-    raise ValueError(f"unknown Muon learning-rate adjustment {mode!r}; use one of {ADJUST_LR_MODES}")
+    raise UserError(f"unknown Muon learning-rate adjustment {mode!r}; use one of {ADJUST_LR_MODES}")
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -101,7 +102,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if kind == "muon":
             for p in params:
                 if p.ndim not in (2, 3):
-                    raise ValueError(
+                    raise UserError(
                         f"Muon updates 2-D matrices and 3-D stacks of expert matrices, not a {p.ndim}-D parameter of "
                         f"shape {tuple(p.shape)}; put it in an 'adamw' group"
                     )
@@ -112,7 +113,7 @@ class MuonAdamW(torch.optim.Optimizer):
         saved = [group.get("kind") for group in state_dict["param_groups"]]
         current = [group["kind"] for group in self.param_groups]
         if saved != current:
-            raise ValueError(
+            raise UserError(
                 f"this optimizer state has param-group kinds {saved}, but the optimizer has {current}: it was saved by "
                 "another optimizer (optimizer.name) or another split of the parameters"
             )
@@ -221,7 +222,7 @@ def parameter_kinds(model: nn.Module, adamw_only: Callable[[str], bool]) -> dict
             continue
         if p.ndim >= 2 and not adamw_only(name):
             if p.ndim > 3:
-                raise ValueError(
+                raise UserError(
                     f"parameter {name} has {p.ndim} dims; Muon takes 2-D matrices and 3-D expert stacks only, so the "
                     "model family's adamw_only rule must claim it"
                 )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from meshloom.config.errors import UserError
 from meshloom.config.schema import OptimizerConfig
 from meshloom.train.muon import MuonAdamW, muon_param_groups
 
@@ -36,7 +37,7 @@ def build_optimizer(
         implementation = "fused" if device.type == "cuda" else "foreach"
     if config.name == "Muon":
         if adamw_only is None:
-            raise ValueError(
+            raise UserError(
                 "optimizer.name = 'Muon' needs the model family's adamw_only rule (which matrices stay on AdamW); "
                 "pass adamw_only to build_optimizer"
             )

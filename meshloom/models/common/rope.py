@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from meshloom.config.errors import UserError
+
 
 class FrequencyScaling(Protocol):
     """A long-context rescaling of per-pair RoPE frequencies (radians per token)."""
@@ -37,14 +39,14 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+            raise UserError(f"rope_scaling.factor must be > 0, got {self.factor}")
         if not self.high_freq_factor > self.low_freq_factor > 0:
-            raise ValueError(
+            raise UserError(
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                 f"low_freq_factor={self.low_freq_factor}, high_freq_factor={self.high_freq_factor}"
             )
         if self.original_max_seq_len <= 0:
-            raise ValueError(
+            raise UserError(
                 f"rope_scaling.original_max_seq_len must be > 0, got {self.original_max_seq_len}"
             )
 
@@ -143,11 +145,11 @@ class YarnScaling:
 
     def __post_init__(self) -> None:
         if self.factor <= 0:
-            raise ValueError(f"yarn rope_scaling.factor must be > 0, got {self.factor}")
+            raise UserError(f"yarn rope_scaling.factor must be > 0, got {self.factor}")
         if self.original_max_seq_len <= 0:
-            raise ValueError(f"yarn rope_scaling.original_max_seq_len must be > 0, got {self.original_max_seq_len}")
+            raise UserError(f"yarn rope_scaling.original_max_seq_len must be > 0, got {self.original_max_seq_len}")
         if not self.beta_fast > self.beta_slow > 0:
-            raise ValueError(
+            raise UserError(
                 f"yarn rope_scaling needs beta_fast > beta_slow > 0, got beta_fast={self.beta_fast}, beta_slow={self.beta_slow}"
             )
 
@@ -167,7 +169,7 @@ class YarnScaling:
         """freqs: theta^(-2i/d) for pairs i = 0 .. d/2 - 1, as `rope_tables` makes them (d and theta are read back)."""
         pairs = freqs.numel()
         if pairs < 2:
-            raise ValueError(f"yarn rope scaling needs a rotary dimension of at least 4, got {2 * pairs}")
+            raise UserError(f"yarn rope scaling needs a rotary dimension of at least 4, got {2 * pairs}")
         dim = 2 * pairs
         log_theta = -math.log(float(freqs[1])) * dim / 2
 

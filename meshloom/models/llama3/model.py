@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshloom.config.errors import UserError
 from meshloom.models.common.attention import GroupedQueryAttention, causal_attention
 from meshloom.models.common.feed_forward import FeedForward
 from meshloom.models.common.init import trunc_normal_
@@ -62,19 +63,19 @@ class Llama3Args:
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dim % self.n_heads != 0:
-            raise ValueError(
+            raise UserError(
                 f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
                 "change one of them"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(
+            raise UserError(
                 f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; "
                 "change dim or n_heads"
             )
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads != 0:
-            raise ValueError(
+            raise UserError(
                 f"n_kv_heads ({self.n_kv_heads}) must be a positive divisor of "
                 f"n_heads ({self.n_heads})"
             )
@@ -219,7 +220,7 @@ class Transformer(nn.Module):
         """
         seq_len = tokens.shape[1]
         if seq_len > self.rope_cos.shape[0]:
-            raise ValueError(
+            raise UserError(
                 f"sequence length {seq_len} exceeds the model's max_seq_len "
                 f"{self.rope_cos.shape[0]}; shorten the sequences or raise max_seq_len"
             )
