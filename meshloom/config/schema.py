@@ -205,7 +205,9 @@ class ParallelismConfig:
     rank equal causal-attention work; false = cp contiguous chunks. training.seq_len must divide into the chunks."""
 
     ep: int = 1
-    """Expert-parallel degree (mixture-of-experts models only)."""
+    """Expert-parallel degree (mixture-of-experts models only): each MoE layer's routed experts are split over ep ranks
+    borrowed from dp_shard x cp (no extra ranks), tokens travel to their experts and back by all-to-all, and FSDP
+    shards each expert over the dp_shard x cp / ep ranks left. Must divide the routed experts and dp_shard x cp."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: default = yes except the root module, which backward needs first."""

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint, create_selective_checkpoint_contexts
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ActivationCheckpointConfig
@@ -35,6 +35,17 @@ DEFAULT_SAVE_OPS = (
     "aten.max.default",
     "_c10d_functional.reduce_scatter_tensor.default",
 )
+
+
+# Profiler ranges are bookkeeping, not values: run them as they come in forward and in recomputation alike. An
+# FSDP unit nested inside a checkpointed block (expert parallel's routed experts) opens one more range when it is
+# recomputed in backward (it then takes the root's part, as no forward is under way), which selective AC would
+# otherwise reject as a different op sequence.
+SAC_IGNORED_OPS.update({
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+})
 
 
 @functools.cache

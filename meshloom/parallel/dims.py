@@ -2,6 +2,15 @@
 
 Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallel is innermost
 so its heavy collectives stay between neighbouring ranks (inside a node on GPUs).
+
+Expert parallel adds no ranks: it borrows `ep` of the `dp_shard x cp` ranks. Their flattened view (cp inner) is
+cut into (efsdp, ep) with ep innermost, so the ranks of one ep group are the closest ones that hold different
+data: with tp = 1 they are ep consecutive ranks (one node on GPUs); under tp they sit tp ranks apart. Example,
+8 ranks as dp_shard = 8, ep = 2: ep groups {0,1} {2,3} {4,5} {6,7}, efsdp groups {0,2,4,6} {1,3,5,7}. Routed
+experts are split over ep and FSDP-sharded over efsdp (plus replicated over dp_replicate: HSDP); dense
+parameters keep FSDP over dp_shard x cp. The (dp_replicate, efsdp, ep) view comes from unflattening the
+flattened dp_replicate x dp_shard x cp mesh, so it shares the world mesh's root and FSDP can combine the
+efsdp mesh with the ep mesh of a DTensor parameter.
 """
 
 from __future__ import annotations
@@ -64,7 +73,15 @@ class ParallelDims:
                 f"parallelism degrees dp_replicate={config.dp_replicate} x dp_shard={dp_shard} x tp={config.tp} x "
                 f"pp={config.pp} x cp={config.cp} = {product}, but the world size is {world_size}; {hint}"
             )
-        return cls(config.dp_replicate, dp_shard, config.tp, config.pp, config.cp, config.ep, world_size)
+        ep = config.ep
+        if ep > 1 and (dp_shard * config.cp) % ep:
+            shardable = dp_shard * config.cp
+            choices = [d for d in range(1, shardable + 1) if shardable % d == 0]
+            raise ConfigError(
+                f"parallelism.ep={ep} must divide dp_shard x cp = {dp_shard} x {config.cp} = {shardable} (expert parallel "
+                f"borrows its ranks from them); choose ep from {choices[-6:]} or raise dp_shard"
+            )
+        return cls(config.dp_replicate, dp_shard, config.tp, config.pp, config.cp, ep, world_size)
 
     @property
     def dp(self) -> int:
@@ -73,6 +90,17 @@ class ParallelDims:
     @property
     def fsdp_enabled(self) -> bool:
         return self.dp_shard * self.cp > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that FSDP-shard each routed expert: what dp_shard x cp leaves after ep."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def expert_gradient_divide_factor(self) -> int:
+        """What expert gradients are divided by: every data-parallel rank's loss reaches an expert through the
+        all-to-all, so its gradient is summed over dp_replicate x dp_shard x cp ranks, as dense ones are averaged."""
+        return self.dp_replicate * self.dp_shard * self.cp
 
     @property
     def is_distributed(self) -> bool:
@@ -97,10 +125,17 @@ class ParallelDims:
                 # HSDP x CP needs the (replicate, shard x cp) view, only reachable through the root mesh.
                 warnings.simplefilter("ignore")
                 self._meshes["fsdp"] = world["dp_replicate", "dp_shard_cp"]
+        if self.ep > 1:
+            # dp_replicate x (efsdp x ep = dp_shard x cp), ep innermost (see the module docstring).
+            experts = self._meshes["dp_cp"]._unflatten(0, (self.dp_replicate, self.efsdp, self.ep), ("dp_replicate", "efsdp", "ep"))
+            self._meshes["ep"] = experts["ep"]
+            self._meshes["efsdp"] = experts["efsdp"]
+            self._meshes["expert_fsdp"] = experts["dp_replicate", "efsdp"] if self.dp_replicate > 1 else experts["efsdp"]
         self._meshes["world"] = world
         return world
 
     def mesh(self, name: str) -> DeviceMesh:
-        """Named sub-mesh: pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp (loss), fsdp, world."""
+        """Named sub-mesh: pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp (loss), fsdp, world; with ep > 1
+        also ep, efsdp and expert_fsdp (the routed experts' FSDP mesh: efsdp, or (dp_replicate, efsdp) for HSDP)."""
         assert self._meshes, "build_mesh() first"
         return self._meshes[name]

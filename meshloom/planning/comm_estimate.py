@@ -67,10 +67,15 @@ def step_comm_bytes(shape: ShapeModel, layout: Layout, seq_len: int, precision: 
         kv = shape.cp_elements_per_token(layer) / layout.tp * tokens * a
         out["cp"] += m * 3 * (layout.cp - 1) * kv
     # EP: every routed token goes to top_k experts and comes back, forward and backward (dispatch + combine, and
-    # their gradients), the share (ep - 1)/ep leaving this rank.
-    moe_blocks = sum(shape.is_moe_block(layer) for layer in stage.block_ids)
-    full = 2 if layout.ac == "full" else 1  # recomputation dispatches again
-    out["ep"] += m * moe_blocks * (2 + 2 * full) * _ring(layout.ep) * hidden * shape.top_k
+    # their gradients), the share (ep - 1)/ep leaving this rank (uniform routing, which bias balancing aims at).
+    # Each tensor-parallel rank dispatches the whole sequence. A checkpointed block (full or selective: the
+    # exchange is never among the saved ops) dispatches and combines again when it is recomputed.
+    exchanges = sum(
+        4 + 2 * (mode in ("full", "selective_op"))
+        for layer, mode in zip(stage.block_ids, layout.block_ac_modes(stage.block_ids))
+        if shape.is_moe_block(layer)
+    )
+    out["ep"] += m * exchanges * _ring(layout.ep) * hidden * shape.top_k
     # PP: each microbatch's activations forward and their gradients backward cross a stage boundary.
     if layout.pp > 1:
         out["pp"] += m * 2 * hidden

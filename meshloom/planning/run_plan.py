@@ -86,6 +86,12 @@ def _check_generic_layout(shape: ShapeModel, dims: ParallelDims) -> None:
         raise ConfigError(f"parallelism.pp={dims.pp} exceeds the model's {shape.n_layers} layers; lower pp")
     if dims.ep > 1 and shape.n_experts == 0:
         raise ConfigError("parallelism.ep > 1 needs a mixture-of-experts model; this model is dense, set ep = 1")
+    if dims.ep > 1 and shape.n_experts % dims.ep:
+        choices = [d for d in range(1, shape.n_experts + 1) if shape.n_experts % d == 0]
+        raise ConfigError(
+            f"parallelism.ep={dims.ep} does not divide the model's {shape.n_experts} routed experts (each ep rank holds "
+            f"the same number); choose ep from {choices[-6:]}"
+        )
 
 
 def _grad_accum_steps(config: Config, dp: int) -> int:

@@ -50,6 +50,7 @@ class CaseResult:
     sample_ids: list[list[int]]  # per step, over all data-parallel ranks, sorted
     # sha256 of every full (unsharded) model and optimizer tensor when the case ended, by state-dict key.
     final_state: dict[str, str] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)  # per step, before clipping
 
 
 def state_digest(trainer) -> dict[str, str]:
@@ -98,11 +99,13 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
 
     trainer.data.train.next_batch = recording_next_batch
     losses: list[float] = []
+    grad_norms: list[float] = []
     train_step = trainer.train_step
 
     def recording_train_step():
         result = train_step()
         losses.append(result.loss)
+        grad_norms.append(result.grad_norm)
         return result
 
     trainer.train_step = recording_train_step
@@ -125,7 +128,7 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
     else:
         everyone = [consumed]
     per_step = [sorted(set().union(*(rank_ids[i] for rank_ids in everyone))) for i in range(len(consumed))]
-    return CaseResult(losses, per_step, state_digest(trainer))
+    return CaseResult(losses, per_step, state_digest(trainer), grad_norms)
 
 
 def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:

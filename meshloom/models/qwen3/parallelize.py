@@ -8,7 +8,11 @@ Tensor parallel follows Llama 3's plan, plus:
   to the shards. The router and the routed experts are replicated over tp: every rank routes and computes every
   token, so their gradients are whole on each rank. Shared experts, when present, are split like a dense MLP.
 
-Routed experts are FSDP-sharded like every other parameter (expert parallel is not applied yet).
+Expert parallel (`parallelism.ep > 1`, meshloom/parallel/expert_parallel.py) splits each sparse block's routed
+experts over the ep ranks (borrowed from dp_shard x cp) and FSDP-shards them over the rest; under tensor parallel
+the routed experts are then not replicated over tp as DTensors: every tp rank dispatches the same whole-sequence
+tokens to its ep group and computes them, as it does without expert parallel. Attention, dense MLPs, shared experts
+and the router keep FSDP over dp_shard x cp, TP and CP as above.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from meshloom.parallel.activation_checkpoint import apply_activation_checkpointi
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
 from meshloom.parallel.dims import ParallelDims, check_divisible
+from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
 
@@ -42,8 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_layout(args: Qwen3Args, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, kv heads, vocabulary rows and MLP rows; no tied output across
-    pipeline stages; no expert parallel yet."""
+    """Every tensor-parallel rank gets whole heads, kv heads, vocabulary rows and MLP rows; every expert-parallel
+    rank the same number of experts; no tied output across pipeline stages."""
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size}
     if args.has_dense_layers:
         sizes["ffn_hidden_dim"] = args.ffn_hidden_dim
@@ -55,8 +60,8 @@ def check_layout(args: Qwen3Args, dims: ParallelDims) -> None:
             "this model ties its output projection to the embedding, but pipeline parallelism puts them on different "
             "stages; use an untied model flavour or set parallelism.pp = 1"
         )
-    if dims.ep > 1:
-        raise ConfigError("parallelism.ep > 1: expert parallel is not available for qwen3 yet; set parallelism.ep = 1")
+    if args.moe is not None:
+        check_divisible("ep", dims.ep, {"n_experts": args.moe.n_experts})
 
 
 def carve_stage(model: Qwen3, layers: Sequence[int], first: bool, last: bool) -> Qwen3:
@@ -84,8 +89,9 @@ class ReplicateParameters(ParallelStyle):
         return module
 
 
-def apply_tensor_parallel(model: Qwen3, tp_mesh, loss_parallel: bool) -> None:
-    """Megatron-style split of each block, activations between blocks sharded on the sequence."""
+def apply_tensor_parallel(model: Qwen3, tp_mesh, loss_parallel: bool, replicate_experts: bool = True) -> None:
+    """Megatron-style split of each block, activations between blocks sharded on the sequence. replicate_experts=False
+    leaves the routed experts plain, for expert parallel to distribute over its own mesh."""
     root_plan = {}
     if model.tok_embeddings is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -119,7 +125,8 @@ def apply_tensor_parallel(model: Qwen3, tp_mesh, loss_parallel: bool) -> None:
                 output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
             )  # fmt: skip
             plan["moe.router"] = ReplicateParameters()
-            plan["moe.experts"] = ReplicateParameters()
+            if replicate_experts:
+                plan["moe.experts"] = ReplicateParameters()
             if block.moe.shared_experts is not None:
                 plan.update({
                     "moe.shared_experts.w1": ColwiseParallel(),
@@ -173,15 +180,19 @@ def parallelize_qwen3(model: Qwen3, dims: ParallelDims, config: Config) -> Qwen3
     if config.float8.enable:
         convert_to_float8(model, config.float8, fsdp=data_parallel, tp=dims.tp)
     if dims.tp > 1:
-        apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel)
+        apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel, replicate_experts=dims.ep == 1)
         if config.compile.async_tp:
             enable_async_tp()
     if dims.cp > 1:
         apply_context_parallel(model, dims.mesh("cp"), SequenceLayout(dims.cp, par.cp_load_balance), config.training.seq_len)
+    experts = None
+    if dims.ep > 1:
+        experts = apply_expert_parallel([block.moe for block in model.layers.values() if block.is_moe], dims)
     apply_activation_checkpointing(model.layers, config.activation_checkpoint)
     if config.compile.enable:
         set_cache_dir(config.compile)
-        apply_compile(model.layers, config.activation_checkpoint, fullgraph=dims.cp == 1)
+        # Ring attention's send/recv and expert parallel's all-to-alls run between compiled graphs.
+        apply_compile(model.layers, config.activation_checkpoint, fullgraph=dims.cp == 1 and dims.ep == 1)
     if data_parallel:
         param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
         apply_fsdp(
@@ -192,5 +203,6 @@ def parallelize_qwen3(model: Qwen3, dims: ParallelDims, config: Config) -> Qwen3
             reduce_dtype=DTYPES[par.fsdp_reduce_dtype],
             reshard_after_forward=par.fsdp_reshard_after_forward,
             cpu_offload=par.fsdp_cpu_offload,
+            experts=experts,
         )
     return model
