@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshloom.config.errors import UserError
 from meshloom.parallel.dims import ParallelDims
 
 # Upper bound on the elements of one score tile [b, heads, rows, keys]: long shards are processed a few query
@@ -62,7 +63,7 @@ class SequenceLayout:
     def check_seq_len(self, seq_len: int) -> None:
         if seq_len % self.num_chunks:
             mode = "the load-balanced split (2 chunks per rank)" if self.load_balance else "the contiguous split"
-            raise ValueError(
+            raise UserError(
                 f"a sequence of {seq_len} tokens cannot be cut into {self.num_chunks} equal chunks for {mode} "
                 f"over cp={self.cp} ranks; use a length divisible by {self.num_chunks}"
             )
@@ -131,7 +132,7 @@ def positions_hook(layout: SequenceLayout, rank: int, seq_len: int) -> Callable:
             return args, kwargs
         first = args[0] if args else next(iter(kwargs.values()))
         if first.ndim == 2 and first.shape[1] != positions.numel():
-            raise ValueError(
+            raise UserError(
                 f"context parallel was set up for sequences of {seq_len} tokens ({positions.numel()} per rank), "
                 f"but this rank got {first.shape[1]} tokens; shard the batch with its layout first"
             )
@@ -364,7 +365,7 @@ class RingAttentionCore:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         if document_ids is not None:
-            raise ValueError(
+            raise UserError(
                 "context-parallel ring attention implements the causal mask only, not document masks; "
                 "set data.document_mask = false or parallelism.cp = 1"
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshloom.config.errors import UserError
 from meshloom.parallel.context import SequenceLayout
 
 
@@ -32,7 +33,7 @@ class ShardedSequenceShift:
         layout = self.layout
         chunk = tokens.shape[1] // layout.chunks_per_rank
         if k > chunk:
-            raise ValueError(
+            raise UserError(
                 f"a shift of {k} positions crosses more than one sequence chunk of {chunk} tokens under context "
                 f"parallel (cp={layout.cp}); use longer sequences or fewer cp ranks"
             )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from meshloom.config.errors import UserError
 from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
 
@@ -89,7 +90,7 @@ def local_numel(shapes: list[ParamShape], layout: Layout, fsdp: int | None = Non
 def optimizer_state_numel(shapes: list[ParamShape], layout: Layout, optimizer: str) -> int:
     """Elements of optimizer state one rank keeps for `shapes` (0-d step counters left out)."""
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"no memory model for optimizer {optimizer!r}; estimates cover {', '.join(OPTIMIZERS)}")
+        raise UserError(f"no memory model for optimizer {optimizer!r}; estimates cover {', '.join(OPTIMIZERS)}")
     if optimizer == "AdamW":
         return ADAM_MOMENTS * local_numel(shapes, layout)
     muon = [p for p in shapes if len(p.shape) >= 2 and not p.adamw]

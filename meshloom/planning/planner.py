@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshloom.config.errors import ConfigError
+from meshloom.config.errors import ConfigError, UserError
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
@@ -127,18 +127,18 @@ def plan(
     spec, args = get_model_spec(model), get_model_args(model, flavor)
     shape = spec.shape_model(args)
     if cluster.interconnect not in INTERCONNECTS:
-        raise ValueError(f"unknown interconnect {cluster.interconnect!r}; choices: {', '.join(INTERCONNECTS)}")
+        raise UserError(f"unknown interconnect {cluster.interconnect!r}; choices: {', '.join(INTERCONNECTS)}")
     if cluster.gpus % cluster.gpus_per_node and cluster.gpus > cluster.gpus_per_node:
-        raise ValueError(
+        raise UserError(
             f"{cluster.gpus} GPUs is not a whole number of {cluster.gpus_per_node}-GPU nodes; "
             f"use a multiple of {cluster.gpus_per_node}"
         )
     if seq_len > args.max_seq_len:
-        raise ValueError(f"seq_len {seq_len} exceeds the {flavor} model's max_seq_len {args.max_seq_len}")
+        raise UserError(f"seq_len {seq_len} exceeds the {flavor} model's max_seq_len {args.max_seq_len}")
     layouts = enumerate_layouts(spec, args, cluster, seq_len, global_batch)
     if not layouts:
         dp_choices = [d for d in _divisors(cluster.gpus) if global_batch % d == 0]
-        raise ValueError(
+        raise UserError(
             f"no layout of {cluster.gpus} GPUs can split a global batch of {global_batch} sequences: the data-parallel "
             f"degree must divide it (possible degrees here: {dp_choices}), and tp x cp x pp must take the rest; "
             f"use a global batch that is a multiple of {cluster.gpus // max(cluster.gpus_per_node, 1) or 1} or change the GPU count"
@@ -155,7 +155,7 @@ def plan(
     if not candidates:
         assert smallest is not None
         need = smallest[1].peak / cluster.headroom / GIB
-        raise ValueError(
+        raise UserError(
             f"the {flavor} model does not fit on {cluster.gpus} x {cluster.memory_gib:g} GiB under any layout "
             f"(seq_len {seq_len}, global batch {global_batch}); the smallest peak is {smallest[1].peak / GIB:.1f} GiB "
             f"per GPU ({smallest[0].describe()}), so GPUs need at least {need:.1f} GiB at {cluster.headroom:.0%} usable; "
