@@ -174,8 +174,10 @@ def test_startup_summary_and_ctrl_c(workdir: Path, tmp_path: Path, subprocess_en
     run_dir = tmp_path / "run"
     argv = Case("ctrl-c", str(run_dir), steps=400, overrides=["--checkpoint.enable", "true", "--checkpoint.interval", "2",
                 "--job.description", "summary check"]).argv(workdir)  # fmt: skip
+    # SIG_DFL in the child, as under an interactive shell (a background job of a script starts with SIGINT ignored).
     proc = subprocess.Popen([sys.executable, "-m", "meshloom.train", *argv], env=subprocess_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.monotonic() + 300
     while not folders.list_checkpoints(run_dir / "checkpoint")[0] and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
@@ -192,13 +194,17 @@ def test_startup_summary_and_ctrl_c(workdir: Path, tmp_path: Path, subprocess_en
 def test_ctrl_c_during_a_save_lets_the_save_finish() -> None:
     """An interrupt that arrives while a checkpoint is written is raised after the write, not inside torch's writer."""
     finished = []
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # the signal is delivered here; the block carries on
-            finished.append(True)
-    assert finished == [True]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in `meshloom train` run from a shell
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the signal is delivered here; the block carries on
+                finished.append(True)
+        assert finished == [True]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_only_user_mistakes_are_one_line_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

@@ -17,6 +17,9 @@ def interrupts_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread, which is also the only one interrupted
         return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # SIGINT is ignored, or handled by someone else: theirs to keep
+        return
     received: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
