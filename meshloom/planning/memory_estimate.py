@@ -27,6 +27,7 @@ microbatches) and the backward-end phase (gradients + gathered).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -71,16 +72,21 @@ def local_numel(shapes: list[ParamShape], layout: Layout, fsdp: int | None = Non
 
     fsdp: the FSDP degree of dense parameters (1 = gathered); expert stacks are sharded over fsdp / ep.
     """
-    fsdp = layout.fsdp if fsdp is None else fsdp
+    return _local_numel(tuple(shapes), layout.tp, layout.ep, layout.fsdp if fsdp is None else fsdp)
+
+
+# The planner estimates thousands of layouts of one model whose blocks mostly share their shapes.
+@functools.lru_cache(maxsize=65536)
+def _local_numel(shapes: tuple[ParamShape, ...], tp: int, ep: int, fsdp: int) -> int:
     total = 0
     for param in shapes:
         local = list(param.shape)
         if param.expert:
-            local[0] = _split(local[0], layout.ep)
-            shard = max(1, fsdp // layout.ep) if fsdp > 1 else 1
+            local[0] = _split(local[0], ep)
+            shard = max(1, fsdp // ep) if fsdp > 1 else 1
         else:
-            if param.tp_dim is not None and layout.tp > 1:
-                local[param.tp_dim] = _split(local[param.tp_dim], layout.tp)
+            if param.tp_dim is not None and tp > 1:
+                local[param.tp_dim] = _split(local[param.tp_dim], tp)
             shard = fsdp
         local[0] = _split(local[0], shard)
         total += math.prod(local)
@@ -184,6 +190,16 @@ def root_activation_bytes_per_token(
 # ---------------------------------------------------------------------------------------------------------
 
 
+_BLOCK_KINDS: dict[tuple[ParamShape, ...], tuple[ParamShape, ...]] = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
+    """A block's parameters, kept (a shape model is fixed once built), and the same object for equal blocks."""
+    params = tuple(shape.block_params(layer))
+    return _BLOCK_KINDS.setdefault(params, params)
+
+
 def estimate_memory(
     shape: ShapeModel,
     layout: Layout,
@@ -205,14 +221,18 @@ def estimate_memory(
     best: MemoryEstimate | None = None
     stages = pipeline_stages(shape, layout)
     for stage in stages if stage_index is None else [stages[stage_index]]:
-        blocks = [shape.block_params(layer) for layer in stage.block_ids]
+        blocks = [_block_params(shape, layer) for layer in stage.block_ids]
+        # Equal blocks are one object (see _block_params): each kind is counted once, then multiplied.
+        kinds = {id(block): block for block in blocks}
+        sharded = {i: local_numel(block, layout) for i, block in kinds.items()}
+        whole = {i: local_numel(block, layout, fsdp=1) for i, block in kinds.items()}
+        state = {i: optimizer_state_numel(block, layout, optimizer) for i, block in kinds.items()}
         roots = shape.root_params(stage.first, stage.last)
-        param_elems = sum(local_numel(block, layout) for block in blocks) + local_numel(roots, layout)
-        gathered_blocks = sorted((local_numel(block, layout, fsdp=1) for block in blocks), reverse=True)
+        param_elems = sum(sharded[id(block)] for block in blocks) + local_numel(roots, layout)
+        gathered_blocks = sorted((whole[id(block)] for block in blocks), reverse=True)
         full_elems = sum(gathered_blocks) + local_numel(roots, layout, fsdp=1)  # unsharded over FSDP
         params = FP32 * param_elems
-        state_elems = sum(optimizer_state_numel(block, layout, optimizer) for block in blocks)
-        state_elems += optimizer_state_numel(roots, layout, optimizer)
+        state_elems = sum(state[id(block)] for block in blocks) + optimizer_state_numel(roots, layout, optimizer)
         optimizer_bytes = FP32 * state_elems if with_optimizer else 0
         grads = FP32 * param_elems
         if layout.tp > 1 and not sharded_data_parallel and stage.first:
