@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from meshloom.config import ConfigError, OptimizerConfig, load_config
+from meshloom.config.errors import UserError
 from meshloom.config.schema import LRSchedulerConfig
 from meshloom.train.lr import build_lr_scheduler, lr_factor
 from meshloom.train.muon import MuonAdamW, muon_param_groups, optimizer_state_elements, parameter_kinds
@@ -161,6 +162,46 @@ def test_one_process_equals_torch_muon_and_adamw_bit_for_bit(adjust, nesterov):
     ]
 
 
+def test_newton_schulz_in_any_dtype_repeats_torchs_operations():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from meshloom.train.muon import NS_COEFFICIENTS, newton_schulz_in
+
+    torch.manual_seed(0)
+    for shape in [(12, 16), (22, 16)]:  # wide and tall (transposed inside)
+        g = torch.randn(shape)
+        torch_bf16 = _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, 1e-7)
+        assert torch.equal(newton_schulz_in(g, NS_COEFFICIENTS, 5, 1e-7, torch.bfloat16), torch_bf16)
+        exact = newton_schulz_in(g.double(), NS_COEFFICIENTS, 5, 1e-7, torch.float64)
+        fp32 = newton_schulz_in(g, NS_COEFFICIENTS, 5, 1e-7, torch.float32)
+        assert fp32.dtype == torch.float32
+        assert (fp32 - exact).abs().max() < 1e-5 < (torch_bf16.double() - exact).abs().max()
+
+
+def test_float32_newton_schulz_runs_in_float32():
+    from meshloom.train.muon import NS_COEFFICIENTS, adjusted_lr, newton_schulz_in
+
+    model, reference = toy(), toy()
+    config = OptimizerConfig(name="Muon", lr=LR, weight_decay=WEIGHT_DECAY, muon_ns_dtype="float32")
+    optimizer = build_optimizer(model, config, torch.device("cpu"), adamw_only=adamw_only)
+    assert optimizer.ns_dtype == torch.float32
+    set_grads(model, 0)
+    set_grads(reference, 0)
+    optimizer.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if name not in ("blocks.0.attn.weight", "experts"):
+            continue
+        # Step 1 of Nesterov momentum: the update is g.lerp(B, mu) with B = (1 - mu) g.
+        update = q.grad.lerp(q.grad * (1 - 0.95), 0.95)
+        matrices = update if q.ndim == 3 else update[None]
+        orthogonal = torch.stack([newton_schulz_in(m, NS_COEFFICIENTS, 5, 1e-7, torch.float32) for m in matrices])
+        step = adjusted_lr(LR, "match_rms_adamw", q.shape) * orthogonal.view(q.shape)
+        expected = q.detach() * (1 - LR * WEIGHT_DECAY) - step
+        assert torch.allclose(p, expected, rtol=0, atol=1e-7), name
+    with pytest.raises(UserError, match="Newton-Schulz dtype must be one of"):
+        MuonAdamW([{"kind": "muon", "params": [nn.Parameter(torch.ones(2, 2))]}], ns_dtype="float16")
+
+
 def test_lambda_lr_drives_both_kinds():
     schedule = LRSchedulerConfig(warmup_steps=3, decay_type="cosine", min_lr_ratio=0.1)
     model, reference = toy(), toy()
@@ -254,6 +295,7 @@ def test_owner_assignment_balances_cost_and_counts():
         ("muon_momentum", "1.0", "optimizer.muon_momentum must lie in [0, 1), got 1.0"),
         ("muon_ns_steps", "0", "optimizer.muon_ns_steps must lie in [1, 100)"),
         ("muon_lr", "-1", "optimizer.muon_lr must be >= 0 (0 = optimizer.lr), got -1.0"),
+        ("muon_ns_dtype", "float16", "optimizer.muon_ns_dtype must be one of ['bfloat16', 'float32'], got 'float16'"),
     ],
 )
 def test_muon_settings_are_checked(key, value, message):

@@ -9,7 +9,7 @@ What one rank holds, by kind:
   syncing, it keeps them unsharded instead;
 - optimizer: AdamW's two fp32 moments per parameter; under Muon one fp32 momentum buffer per element of the matrices
   Muon updates (every matrix the shape model does not mark `adamw`), two moments for the rest. Newton-Schulz's
-  transient bf16 copies of whole matrices on their owner ranks are not counted;
+  transient copies of whole matrices on their owner ranks (in optimizer.muon_ns_dtype) are not counted;
 - gathered: FSDP's unsharded copies in the compute dtype (two blocks in flight, plus the root's embedding
   and output, which stay gathered from forward to backward), or autocast's bf16 weight copies without FSDP;
 - activations: the peak of what autograd keeps for backward, counted tensor by tensor from the model code

@@ -2,10 +2,11 @@
 
 The Muon maths is ``torch.optim.Muon``'s (torch 2.13): momentum buffer ``B <- lerp(B, g, 1 - mu)``, Nesterov update
 ``lerp(g, B, mu)``, Newton-Schulz orthogonalisation in bf16 (torch's own function, so the coefficients and the
-operation order are torch's), decoupled weight decay ``p <- p * (1 - lr * wd)``, then ``p <- p - adjusted_lr * O``.
-A 3-D parameter ``[n_experts, out, in]`` is a stack of expert matrices, orthogonalised one by one, each with the
-learning-rate adjustment of its own ``out x in`` shape. AdamW groups run ``torch.optim.adamw.adamw`` on the state
-``torch.optim.AdamW`` keeps, under the same names, so they are bit-identical to it.
+operation order are torch's; ``ns_dtype="float32"`` runs the same operations in fp32), decoupled weight decay
+``p <- p * (1 - lr * wd)``, then ``p <- p - adjusted_lr * O``. A 3-D parameter ``[n_experts, out, in]`` is a stack of
+expert matrices, orthogonalised one by one, each with the learning-rate adjustment of its own ``out x in`` shape.
+AdamW groups run ``torch.optim.adamw.adamw`` on the state ``torch.optim.AdamW`` keeps, under the same names, so they
+are bit-identical to it.
 
 Every group has a ``kind``, "muon" or "adamw", and its own ``lr``: one LR scheduler drives both kinds. The momentum
 buffer has the parameter's layout (a DTensor shard under FSDP/TP), so distributed checkpointing saves and reshards
@@ -29,6 +30,32 @@ from meshloom.train.orthogonalize import Bucket, build_buckets, local_tensor
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 ADJUST_LR_MODES = ("match_rms_adamw", "original")
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def newton_schulz(matrix: Tensor, coefficients: Sequence[float], steps: int, eps: float, dtype: torch.dtype) -> Tensor:
+    """torch.optim.Muon's Newton-Schulz iteration with the working dtype as a choice: bf16 calls torch's own function,
+    any other dtype runs ``newton_schulz_in``."""
+    if dtype == torch.bfloat16:
+        return _zeropower_via_newtonschulz(matrix, tuple(coefficients), steps, eps)
+    return newton_schulz_in(matrix, coefficients, steps, eps, dtype)
+
+
+def newton_schulz_in(
+    matrix: Tensor, coefficients: Sequence[float], steps: int, eps: float, dtype: torch.dtype
+) -> Tensor:
+    """The operations of torch's ``_zeropower_via_newtonschulz``, in its order, in `dtype` (in bf16 it equals torch's
+    bit for bit; tests/test_muon.py checks that)."""
+    a, b, c = coefficients
+    x = matrix.to(dtype)
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 def adjusted_lr(lr: float, mode: str, shape: Sequence[int]) -> float:
@@ -46,7 +73,8 @@ class MuonAdamW(torch.optim.Optimizer):
     """Param groups of kind "muon" (2-D matrices, 3-D expert stacks) and "adamw" (anything), stepped together.
 
     Keyword arguments are the defaults of groups that do not set a value; ``eps`` is Muon's Newton-Schulz norm floor
-    and ``adamw_eps`` AdamW's epsilon (a group's own ``eps`` is the one of its kind).
+    and ``adamw_eps`` AdamW's epsilon (a group's own ``eps`` is the one of its kind). ``ns_dtype`` ("bfloat16" as
+    torch.optim.Muon, or "float32") is the dtype Newton-Schulz runs in and the update shards travel in.
     """
 
     def __init__(
@@ -61,6 +89,7 @@ class MuonAdamW(torch.optim.Optimizer):
         eps: float = EPS,
         ns_steps: int = 5,
         adjust_lr_fn: str = "match_rms_adamw",
+        ns_dtype: str = "bfloat16",
         betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         foreach: bool | None = None,
@@ -77,17 +106,22 @@ class MuonAdamW(torch.optim.Optimizer):
             "decoupled_weight_decay": True,
         }  # fmt: skip
         self._kind_defaults = {"muon": muon_defaults, "adamw": adamw_defaults}
+        if ns_dtype not in NS_DTYPES:
+            raise UserError(f"Muon's Newton-Schulz dtype must be one of {list(NS_DTYPES)}, got {ns_dtype!r}")
+        # An optimizer setting, not a group one: a checkpoint's groups must not override it on resume.
+        self.ns_dtype = NS_DTYPES[ns_dtype]
         self._buckets: list[Bucket] = []
         self._planned: tuple[int, ...] = ()
         self.newton_schulz_calls = 0  # matrices this rank orthogonalised, for tests and load-balance checks
         super().__init__(list(params), {"lr": lr})
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_kind_defaults": self._kind_defaults}
+        return {**super().__getstate__(), "_kind_defaults": self._kind_defaults, "ns_dtype": self.ns_dtype}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_kind_defaults" in state:  # unpickling or deepcopy; load_state_dict passes state and groups only
             self._kind_defaults = state.pop("_kind_defaults")
+            self.ns_dtype = state.pop("ns_dtype", torch.bfloat16)
             self._buckets, self._planned, self.newton_schulz_calls = [], (), 0  # process groups do not travel
         super().__setstate__(state)
 
@@ -193,18 +227,18 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = local_tensor(state["momentum_buffer"])
             buf.lerp_(grad, 1 - group["momentum"])
             update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-            # Newton-Schulz starts by rounding to bf16, elementwise, so shards are rounded before they travel.
-            updates[id(p)] = update.to(torch.bfloat16, copy=True)
+            # Newton-Schulz starts by rounding to its dtype, elementwise, so shards are rounded before they travel.
+            updates[id(p)] = update.to(self.ns_dtype, copy=True)
 
         for bucket in self._plan(list(group_of)):
             entry_groups = [group_of[p] for p in bucket.params]
 
-            def newton_schulz(entry: int, matrix: Tensor, groups: list = entry_groups) -> Tensor:
+            def orthogonalize_one(entry: int, matrix: Tensor, groups: list = entry_groups) -> Tensor:
                 self.newton_schulz_calls += 1
                 group = groups[entry]
-                return _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
 
-            results = bucket.orthogonalize([updates.get(id(p)) for p in bucket.params], newton_schulz)
+            results = bucket.orthogonalize([updates.get(id(p)) for p in bucket.params], orthogonalize_one)
             for p, orthogonal, group in zip(bucket.params, results, entry_groups):
                 if orthogonal is None:
                     continue
@@ -252,7 +286,7 @@ def optimizer_state_elements(param_shapes: Sequence[Sequence[int]], kinds: Seque
     """Elements of optimizer state, in the parameters' dtype: one momentum buffer per Muon parameter, two moments
     (exp_avg, exp_avg_sq) per AdamW parameter. AdamW's 0-d step counters are left out, as the memory estimator does.
     Pass local shard shapes for per-rank state. Newton-Schulz also needs, transiently on the rank that owns a matrix,
-    the whole matrix in bf16 plus a few bf16 temporaries of its size (not counted here)."""
+    the whole matrix in the Newton-Schulz dtype plus a few temporaries of its size (not counted here)."""
     if len(param_shapes) != len(kinds):
         raise ValueError(f"{len(param_shapes)} shapes but {len(kinds)} kinds")
     per_kind = {"muon": 1, "adamw": 2}

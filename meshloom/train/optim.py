@@ -55,6 +55,7 @@ def build_optimizer(
             momentum=config.muon_momentum,
             nesterov=config.muon_nesterov,
             ns_steps=config.muon_ns_steps,
+            ns_dtype=config.muon_ns_dtype,
             adjust_lr_fn=config.muon_adjust_lr,
         )
     return torch.optim.AdamW(

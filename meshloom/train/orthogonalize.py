@@ -15,15 +15,16 @@ along the matrix dims, R = ranks along the replica dims), balancing the Newton-S
 what each rank got from earlier buckets) so each rank orthogonalises about 1/(S*R) of them. A step then costs at most
 three collectives per bucket:
 
-1. gather: one ``all_to_all_single`` over the S matrix-dim ranks of each replica sends every rank's bf16 piece of
+1. gather: one ``all_to_all_single`` over the S matrix-dim ranks of each replica sends every rank's piece of
    each matrix to its owner, if that owner sits in the same replica (replicas hold equal data, so only one sends);
    each rank receives at most the matrices it owns, in full, and sends the pieces of its own shard once;
 2. scatter: one ``all_to_all_single`` back, the owner sending each rank its piece of the result;
 3. replicas: when R > 1, one ``all_to_all_single`` over the R replica ranks swaps the pieces each replica owned, so
-   every replica ends with the same bf16 result bit for bit (one owner computed it).
+   every replica ends with the same result bit for bit (one owner computed it).
 
-Per step and rank, phases 1 and 2 move the rank's own shard of the bucket once each way in bf16 (2 bytes per element),
-plus the owned matrices in full into and out of the owner; phase 3 moves (R-1)/R of the shard in bf16.
+Per step and rank, phases 1 and 2 move the rank's own shard of the bucket once each way in the Newton-Schulz dtype
+(bf16 by default: 2 bytes per element), plus the owned matrices in full into and out of the owner; phase 3 moves
+(R-1)/R of the shard.
 Every collective uses the mesh's own groups (``DeviceMesh.get_group``) or, when a role spans several mesh dims, a
 group of exactly those ranks made once with ``new_group(use_local_synchronization=True)``, so pipeline stages on
 different ranks never need to agree on it. Plain tensors (and DTensors with only expert dims) are orthogonalised
@@ -46,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 # A block of a matrix: ((row offset, column offset), (rows, columns)).
 Box = tuple[tuple[int, int], tuple[int, int]]
-Orthogonalize = Callable[[int, Tensor], Tensor]  # (entry index, full bf16 matrix) -> orthogonalised matrix
+Orthogonalize = Callable[[int, Tensor], Tensor]  # (entry index, full matrix in the NS dtype) -> orthogonalised matrix
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
@@ -215,8 +216,8 @@ class Bucket:
         return rows * columns
 
     def orthogonalize(self, updates: list[Tensor | None], newton_schulz: Orthogonalize) -> list[Tensor | None]:
-        """Local bf16 updates of the bucket's parameters (None: no gradient, skipped on every rank alike) ->
-        this rank's piece of their orthogonalised updates, same shapes."""
+        """Local updates of the bucket's parameters, in the Newton-Schulz dtype (None: no gradient, skipped on every
+        rank alike) -> this rank's piece of their orthogonalised updates, same shapes."""
         S, me, replica = self.members.size, self.members.index, self.replicas.index
         live = [m for m in self.matrices if updates[m.entry] is not None]
 
