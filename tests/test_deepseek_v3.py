@@ -349,8 +349,8 @@ def test_shape_mistakes_are_named_config_errors(changes, message):
         (2, ["--model.flavor", "671B", "--model.n_layers", "2"], r"n_dense_layers=3 exceeds n_layers=2"),
         (3, ["--model.flavor", "tiny", "--parallelism.tp", "3"], r"parallelism.tp=3 does not divide the model's n_heads=4"),
         (8, ["--model.flavor", "tiny", "--parallelism.tp", "8"], r"tp=8 does not divide the model's n_heads=4"),
-        (2, ["--model.flavor", "tiny", "--parallelism.ep", "2"], r"expert parallel is not available for deepseek_v3 yet"),
-        (3, ["--model.flavor", "tiny", "--parallelism.ep", "3"], r"parallelism.ep=3 does not divide the model's n_routed_experts=8"),
+        (4, ["--model.flavor", "tiny", "--parallelism.tp", "2", "--parallelism.ep", "4"], r"parallelism.ep=4 must divide dp_shard x cp = 2 x 1 = 2"),
+        (3, ["--model.flavor", "tiny", "--parallelism.ep", "3"], r"parallelism.ep=3 does not divide the model's 8 routed experts"),
         (2, ["--model.flavor", "tiny", "--model.n_layers", "1", "--parallelism.ep", "2"], r"needs a mixture-of-experts model"),
     ],
 )

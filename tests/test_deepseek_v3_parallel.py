@@ -1,7 +1,8 @@
-"""DeepSeek-V3 under parallel layouts: the dry runs (tiny, and 671B on 1,024 ranks) against the estimator, the tensor
-parallel plan of the MoE blocks, the estimator against the memory tracker on `debug`, and loss parity against one
-process (fp32, 10 steps, 1e-5) with multi-token prediction, MoE blocks and bias balancing on, for FSDP, TP (with full
-activation checkpointing), CP and PP (1F1B and ZBVZeroBubble), all in one torchrun launch."""
+"""DeepSeek-V3 under parallel layouts: the dry runs (tiny, and 671B on 1,024 ranks with EP 8) against the estimator,
+the tensor and expert parallel plans of the MoE blocks, the estimator against the memory tracker on `debug`, and loss
+parity against one process (fp32, 10 steps, 1e-5) with multi-token prediction, MoE blocks and bias balancing on, for
+FSDP, EP, TP (with full activation checkpointing), CP and PP (1F1B and ZBVZeroBubble), all in one torchrun launch of
+2 ranks. FSDP 2 x EP 2 x TP 2 (4 ranks) rides on tests/test_expert_parallel.py's 4-rank launch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from meshloom.config.loader import load_config
 from meshloom.models.deepseek_v3.parallelize import moe_layers
 from meshloom.models.registry import get_model_spec
 from meshloom.planning.dry_run import dry_run
+from meshloom.planning.layout import layout_of, precision_from_config
+from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.run_plan import RunPlan
 from meshloom.tools.parity import FP32_TOLERANCE, compare
 
@@ -29,6 +32,33 @@ MEASURED_LAYOUTS = ["tp=2"]
 
 
 # --------------------------------------------------------------------------- plans on meta
+
+
+def test_expert_parallel_splits_every_moe_block_under_tensor_parallel():
+    """FSDP 2 x EP 2 x TP 2 (rank 0 of 4, fake process group, meta model): the routed experts of the main MoE block
+    and of both prediction modules' blocks are split by expert over ep (4 of 8 on this rank, not replicated over tp);
+    the router stays replicated over tp, the shared experts split; the estimator counts the same local shards."""
+    settings = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--parallelism.tp", "2", "--parallelism.ep", "2"]
+    plan = RunPlan.build(load_config(settings), 4)
+    assert (plan.dims.dp_shard, plan.dims.ep, plan.dims.efsdp) == (2, 2, 1)
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        plan.dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = SPEC.parallelize(SPEC.model_cls(plan.model_args), plan.dims, plan.config)
+    finally:
+        dist.destroy_process_group()
+    layers = moe_layers(model)
+    assert sorted(layers) == ["1", "2", "3"]
+    for moe in layers.values():
+        for param in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
+            assert param.device_mesh.mesh_dim_names == ("efsdp", "ep") and param.shape[0] == 8
+            assert param.to_local().shape[0] == 4
+        assert moe.router.weight.placements[-1] == Replicate() and moe.router.weight.device_mesh.mesh_dim_names[-1] == "tp"
+        assert moe.shared_experts.w1.weight.device_mesh.mesh_dim_names[-1] == "tp"
+        assert moe.shared_experts.w1.weight.placements[-1] == Shard(0)
+    report = dry_run(load_config(settings), 4)
+    assert report.built_param_bytes == report.rank_params and report.comm_bytes["ep"] > 0
 
 
 def test_tensor_parallel_plan_of_the_moe_blocks():
@@ -70,11 +100,38 @@ def test_dry_run_of_tiny_matches_its_estimate(overrides):
 
 
 def test_dry_run_of_671b_on_1024_ranks():
+    """The recipe's PP 16 x EP 8 x FSDP 64 in one CPU process. Rank 0's stage holds the 3 dense blocks only, so the
+    last stage (MoE blocks, the prediction module's MoE block, the embedding copy and the output) is built too, as
+    rank 1023: every routed expert stack split over ep 8 (32 of 256) and FSDP-sharded over the 8 ranks left (4), and
+    its bytes exactly the estimator's for that stage."""
     config = load_config(["--config", "configs/deepseek_v3_671b.toml"])
+    assert (config.parallelism.pp, config.parallelism.ep) == (16, 8)
     report = dry_run(config, 1024)
     print(report.format())
     assert report.seconds < 120
+    assert "pp=16" in report.layout and "ep=8" in report.layout
     assert report.built_param_bytes == report.rank_params
+
+    plan = RunPlan.build(config, 1024)
+    last = plan.pipeline.num_stages - 1
+    dist.init_process_group(backend="fake", store=FakeStore(), rank=1023, world_size=1024)
+    try:
+        plan.dims.build_mesh("cpu")
+        assert plan.pipeline.stages_of(plan.dims.mesh("pp").get_local_rank()) == [last]
+        with torch.device("meta"):
+            stage = SPEC.carve_stage(SPEC.model_cls(plan.model_args), plan.pipeline.stage_layers[last], False, True)
+            stage = SPEC.parallelize(stage, plan.dims, plan.config)
+    finally:
+        dist.destroy_process_group()
+    layers = moe_layers(stage)
+    assert "61" in layers and len(layers) == len(plan.pipeline.stage_layers[last]) + 1
+    for moe in layers.values():
+        assert moe.experts.w1.shape[0] == 256 and moe.experts.w1.to_local().shape[0] == 4
+    built = sum(4 * (p.to_local() if isinstance(p, DTensor) else p).numel() for p in stage.parameters())
+    layout, precision = layout_of(plan), precision_from_config(config)
+    estimate = estimate_memory(plan.shape(), layout, config.training.seq_len, precision, stage_index=last)
+    assert built == estimate.params
+    print(f"last stage: {len(layers)} MoE layers, {built / 2**30:.2f} GiB of parameters, peak {estimate.peak / 2**30:.2f} GiB")
 
 
 def _memory_benchmark():
@@ -109,6 +166,7 @@ def test_estimate_matches_tracked_memory_of_debug(tmp_path, layout):
 COMMON = "model.name=deepseek_v3,model.n_layers=4,training.seq_len=32,moe.bias_update_rate=0.01,moe.z_loss_coef=1e-3"
 LAYOUTS = [
     "dp_shard=2",
+    "dp_shard=2,ep=2",  # 4 routed experts per rank, no FSDP of them (efsdp 1); FSDP 2 x EP 2 x TP 2 runs on 4 ranks
     "tp=2,activation_checkpoint.mode=full",
     "cp=2",
     "pp=2,pipeline.schedule=1F1B",

@@ -6,6 +6,9 @@ the parity harness's settings). Each layout is compared with a 1-process referen
 activation checkpointing are proven on a subset, folded into layouts that are otherwise covered, to keep the
 suite short: compile and selective AC together on CP 2 x EP 2 (which also runs without them), selective AC on
 HSDP x EP and PP 2 x EP 2.
+
+DeepSeek-V3's FSDP 2 x EP 2 x TP 2 parity (MLA, multi-token prediction, shared experts, bias balancing) rides on
+the 4-rank launch too, against its own 1-process reference (its 2-rank EP case is in test_deepseek_v3_parallel.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ RESUME = SAVE + ["--checkpoint.resume", "true"]
 COMPILE = ",compile.enable=true"
 SAC = ",activation_checkpoint.mode=selective_op"
 
+# DeepSeek-V3 `tiny` cut to 4 blocks (1 dense, 3 MoE) with its 2 MoE prediction modules, as in
+# test_deepseek_v3_parallel.py: 32-token sequences, bias balancing at 10x DeepSeek's rate, the router z-loss.
+DEEPSEEK = ["--model.name", "deepseek_v3", "--model.n_layers", "4", "--training.seq_len", "32"]
+DEEPSEEK += ["--moe.bias_update_rate", "0.01", "--moe.z_loss_coef", "1e-3"]
+
 # name -> (layout, reference): every case trains 10 steps from the reference's initial weights.
 PARITY = {
     "ep2": ("dp_shard=2,ep=2", "ref"),
@@ -63,6 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str
 
     local(Case("ref", str(w / "ref"), overrides=MOE))
     local(Case("ref_cp", str(w / "ref_cp"), overrides=MOE_CP))
+    local(Case("ds_ref", str(w / "ds_ref"), overrides=DEEPSEEK))
     local(Case("1proc_stop", str(w / "1proc"), stop_after=5, overrides=MOE + SAVE))
     seed = seed_checkpoint(Case("seed", str(w / "seed")).argv(w) + MOE + ["--training.seed", "11"])
     from_seed = ["--checkpoint.initial_load_path", str(seed), "--parallelism.init", "sharded"]
@@ -79,6 +88,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str
         # The resume above saves step 10 into its folder: the 1-process resume needs a step-5 folder of its own.
         Case("ep2_stop_b", str(w / "ep2_run_b"), "dp_shard=2,ep=2", stop_after=5, overrides=MOE + SAVE),
         Case("seed_ep2", str(w / "seed_ep2"), "dp_shard=2,ep=2", steps=3, overrides=MOE + from_seed),
+        # ep borrows from dp_shard: 4 routed experts per rank, tp splits MLA and the shared experts.
+        Case("ds_fsdp2_ep2_tp2", str(w / "ds_fsdp2_ep2_tp2"), "dp_shard=2,tp=2,ep=2", overrides=DEEPSEEK),
     ]
     out.update(launch(cases, w))
     local(Case("ep2_to_1proc", str(w / "ep2_run_b"), overrides=MOE + RESUME))
@@ -103,6 +114,21 @@ def test_expert_parallel_layouts_match_one_process(runs, name: str) -> None:
     # The balancing bias moves by +-rate from counts summed exactly over the data-parallel ranks: bitwise the same.
     biases = [key for key in reference.final_state if key.startswith("model.") and key.endswith("moe.expert_bias")]
     assert len(biases) == 2 and all(run.final_state[key] == reference.final_state[key] for key in biases)
+
+
+def test_deepseek_v3_fsdp2_ep2_tp2_matches_one_process(runs) -> None:
+    reference, run = runs["ds_ref"], runs["ds_fsdp2_ep2_tp2"]
+    diffs = {
+        "loss": _max_diff(run.losses, reference.losses),
+        "mtp_loss": _max_diff(run.aux["mtp_loss"], reference.aux["mtp_loss"]),
+        "grad_norm": _max_diff(run.grad_norms, reference.grad_norms),
+    }
+    print("parity deepseek_v3 dp_shard=2,tp=2,ep=2: " + ", ".join(f"max |d{k}| {v:.2e}" for k, v in diffs.items()))
+    assert all(diff <= FP32_TOLERANCE for diff in diffs.values()), (diffs, reference.losses, run.losses)
+    assert len(reference.aux["mtp_loss"]) == 10 and reference.losses[-1] < reference.losses[0] - 0.3
+    # Three MoE blocks and the two prediction modules' blocks, each bias bitwise the same as one process's.
+    biases = [key for key in reference.final_state if key.startswith("model.") and key.endswith("moe.expert_bias")]
+    assert len(biases) == 5 and all(run.final_state[key] == reference.final_state[key] for key in biases)
 
 
 def test_resume_under_expert_parallel_is_bitwise_equal(runs) -> None:

@@ -51,6 +51,8 @@ class CaseResult:
     # sha256 of every full (unsharded) model and optimizer tensor when the case ended, by state-dict key.
     final_state: dict[str, str] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)  # per step, before clipping
+    # Per-step auxiliary losses the model reports itself (e.g. mtp_loss), by name.
+    aux: dict[str, list[float]] = field(default_factory=dict)
 
 
 def state_digest(trainer) -> dict[str, str]:
@@ -100,12 +102,15 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
     trainer.data.train.next_batch = recording_next_batch
     losses: list[float] = []
     grad_norms: list[float] = []
+    aux: dict[str, list[float]] = {}
     train_step = trainer.train_step
 
     def recording_train_step():
         result = train_step()
         losses.append(result.loss)
         grad_norms.append(result.grad_norm)
+        for name, value in result.aux.items():
+            aux.setdefault(name, []).append(value)
         return result
 
     trainer.train_step = recording_train_step
@@ -128,7 +133,7 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
     else:
         everyone = [consumed]
     per_step = [sorted(set().union(*(rank_ids[i] for rank_ids in everyone))) for i in range(len(consumed))]
-    return CaseResult(losses, per_step, state_digest(trainer), grad_norms)
+    return CaseResult(losses, per_step, state_digest(trainer), grad_norms, aux)
 
 
 def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:

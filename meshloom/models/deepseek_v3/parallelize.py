@@ -1,4 +1,4 @@
-"""The one place where parallelism is applied to DeepSeek-V3, in a fixed order: Float8, TP/SP, CP, AC, compile, FSDP.
+"""Where parallelism is applied to DeepSeek-V3, in a fixed order: Float8, TP/SP, CP, EP, AC, compile, FSDP.
 
 Also what the degrees require of the shapes (`check_layout`) and how a pipeline stage is cut (`carve_stage`).
 
@@ -13,8 +13,13 @@ Multi-token prediction modules get the blocks' plan; their norms and projection 
 Tensor parallel for the mixture-of-experts blocks (as Qwen3's): the MoE layer gets the whole sequence, gathered from
 the shards, and returns its output to them. The router and the routed experts are replicated over tp, so every rank
 routes and computes every token and their gradients are whole on each rank (the balancing counts too, so they are
-summed over data-parallel ranks only); the shared experts are split like a dense MLP. Routed experts are
-FSDP-sharded like every other parameter; expert parallel would wrap the layers `moe_layers` returns.
+summed over data-parallel ranks only); the shared experts are split like a dense MLP.
+
+Expert parallel (`parallelism.ep > 1`, meshloom/parallel/expert_parallel.py) splits the routed experts of every MoE
+layer `moe_layers` returns (the main blocks' and the prediction modules') over the ep ranks, borrowed from
+dp_shard x cp, and FSDP-shards them over the rest. Under tensor parallel they are then left plain rather than
+replicated over tp: every tp rank dispatches the same whole sequence to its ep group, as it computes it without
+expert parallel. MLA, the router, the shared experts and the dense MLPs keep TP, CP and FSDP as above.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from meshloom.parallel.activation_checkpoint import apply_activation_checkpointi
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
 from meshloom.parallel.dims import ParallelDims, check_divisible
+from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
 from meshloom.parallel.sequence_shift import ShardedSequenceShift
@@ -59,7 +65,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def check_layout(args: DeepSeekV3Args, dims: ParallelDims) -> None:
     """Every tensor-parallel rank gets whole heads, vocabulary rows and MLP rows (dense and shared experts); the
-    routed experts split evenly over ep."""
+    routed experts split evenly over ep (that ep divides dp_shard x cp is ParallelDims' check)."""
     sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
     if args.n_dense_layers:
         sizes["inter_dim"] = args.inter_dim
@@ -68,8 +74,6 @@ def check_layout(args: DeepSeekV3Args, dims: ParallelDims) -> None:
     check_divisible("tp", dims.tp, sizes)
     if args.has_moe:
         check_divisible("ep", dims.ep, {"n_routed_experts": args.n_routed_experts})
-    if dims.ep > 1:
-        raise ConfigError("parallelism.ep > 1: expert parallel is not available for deepseek_v3 yet; set parallelism.ep = 1")
 
 
 def check_moe_settings(args: DeepSeekV3Args, dims: ParallelDims, config: Config) -> None:
@@ -153,7 +157,7 @@ class SumGradOverRanks(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=mark)
 
 
-def _block_plan(block: DeepSeekBlock) -> dict[str, ParallelStyle]:
+def _block_plan(block: DeepSeekBlock, replicate_experts: bool) -> dict[str, ParallelStyle]:
     attention = block.attention
     plan: dict[str, ParallelStyle] = {"attention_norm": SequenceParallel()}
     if attention.wq is not None:
@@ -185,8 +189,9 @@ def _block_plan(block: DeepSeekBlock) -> dict[str, ParallelStyle]:
             output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
         ),
         "moe.router": ReplicateParameters(),
-        "moe.experts": ReplicateParameters(),
     })  # fmt: skip
+    if replicate_experts:
+        plan["moe.experts"] = ReplicateParameters()
     if block.moe.shared_experts is not None:
         plan.update({
             "moe.shared_experts.w1": ColwiseParallel(),
@@ -196,7 +201,8 @@ def _block_plan(block: DeepSeekBlock) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tensor_parallel(model: DeepSeekV3, tp_mesh, loss_parallel: bool) -> None:
+def apply_tensor_parallel(model: DeepSeekV3, tp_mesh, loss_parallel: bool, replicate_experts: bool = True) -> None:
+    """replicate_experts=False leaves the routed experts plain, for expert parallel to distribute on its own mesh."""
     root_plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -215,7 +221,7 @@ def apply_tensor_parallel(model: DeepSeekV3, tp_mesh, loss_parallel: bool) -> No
         })  # fmt: skip
     parallelize_module(model, tp_mesh, root_plan)
     for block in _blocks(model).values():
-        parallelize_module(block, tp_mesh, _block_plan(block))
+        parallelize_module(block, tp_mesh, _block_plan(block, replicate_experts))
         # The latent leaves wkv_a sequence-sharded and is gathered whole for kv_norm, wkv_b and the rotary key.
         parallelize_module(
             block.attention.wkv_a, tp_mesh,
@@ -255,16 +261,18 @@ def parallelize_deepseek_v3(model: DeepSeekV3, dims: ParallelDims, config: Confi
     if config.float8.enable:
         convert_to_float8(model, config.float8, fsdp=data_parallel, tp=dims.tp)
     if dims.tp > 1:
-        apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel)
+        apply_tensor_parallel(model, dims.mesh("tp"), par.loss_parallel, replicate_experts=dims.ep == 1)
         if config.compile.async_tp:
             enable_async_tp()
     if dims.cp > 1:
         apply_context_parallel(model, dims.mesh("cp"), SequenceLayout(dims.cp, par.cp_load_balance), config.training.seq_len)
+    experts = apply_expert_parallel(list(moe_layers(model).values()), dims) if dims.ep > 1 else None
     blocks = _blocks(model)
     apply_activation_checkpointing(blocks, config.activation_checkpoint)
     if config.compile.enable:
         set_cache_dir(config.compile)
-        apply_compile(blocks, config.activation_checkpoint, fullgraph=dims.cp == 1)
+        # Ring attention's send/recv and expert parallel's all-to-alls run between compiled graphs.
+        apply_compile(blocks, config.activation_checkpoint, fullgraph=dims.cp == 1 and dims.ep == 1)
     if data_parallel:
         param_dtype = torch.bfloat16 if config.training.mixed_precision == "bf16" else torch.float32
         apply_fsdp(
@@ -275,5 +283,6 @@ def parallelize_deepseek_v3(model: DeepSeekV3, dims: ParallelDims, config: Confi
             reduce_dtype=DTYPES[par.fsdp_reduce_dtype],
             reshard_after_forward=par.fsdp_reshard_after_forward,
             cpu_offload=par.fsdp_cpu_offload,
+            experts=experts,
         )
     return model
