@@ -39,7 +39,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -58,6 +57,7 @@ from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
+from meshloom.parallel.moe_tensor import moe_block_plan
 from meshloom.parallel.sequence_shift import ShardedSequenceShift
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -133,17 +133,6 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_replicated, output_fn=lambda mod, out, mesh: out.to_local())
 
 
-class ReplicateParameters(ParallelStyle):
-    """The module's own parameters become DTensors replicated over tp (inputs and outputs untouched): each rank holds
-    and computes whole copies, on the mesh of the sharded parameters, which FSDP and the gradient norm need."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            replicated = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
-            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        return module
-
-
 class SumGradOverRanks(ParallelStyle):
     """An identity whose input every rank uses for its own heads: forward unchanged, backward the gradient summed
     over the tp ranks (what each rank's heads contributed)."""
@@ -182,22 +171,7 @@ def _block_plan(block: DeepSeekBlock, replicate_experts: bool) -> dict[str, Para
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })  # fmt: skip
         return plan
-    plan.update({
-        # The whole sequence in (a local tensor), the output back to this rank's shard (a local slice).
-        "moe": PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-        ),
-        "moe.router": ReplicateParameters(),
-    })  # fmt: skip
-    if replicate_experts:
-        plan["moe.experts"] = ReplicateParameters()
-    if block.moe.shared_experts is not None:
-        plan.update({
-            "moe.shared_experts.w1": ColwiseParallel(),
-            "moe.shared_experts.w3": ColwiseParallel(),
-            "moe.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
-        })  # fmt: skip
+    plan.update(moe_block_plan(block.moe, replicate_experts))
     return plan
 
 

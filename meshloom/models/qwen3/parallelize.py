@@ -20,13 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -42,6 +39,7 @@ from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
+from meshloom.parallel.moe_tensor import moe_block_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,18 +75,6 @@ def carve_stage(model: Qwen3, layers: Sequence[int], first: bool, last: bool) ->
     return model
 
 
-class ReplicateParameters(ParallelStyle):
-    """The module's own parameters become DTensors replicated over the tp mesh (inputs and outputs untouched):
-    every rank holds and computes whole copies, and the parameters share the mesh of the sharded ones, which
-    FSDP and the gradient norm need."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            replicated = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
-            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        return module
-
-
 def apply_tensor_parallel(model: Qwen3, tp_mesh, loss_parallel: bool, replicate_experts: bool = True) -> None:
     """Megatron-style split of each block, activations between blocks sharded on the sequence. replicate_experts=False
     leaves the routed experts plain, for expert parallel to distribute over its own mesh."""
@@ -120,19 +106,7 @@ def apply_tensor_parallel(model: Qwen3, tp_mesh, loss_parallel: bool, replicate_
             "ffn_norm": SequenceParallel(),
         }
         if block.is_moe:
-            plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-            )  # fmt: skip
-            plan["moe.router"] = ReplicateParameters()
-            if replicate_experts:
-                plan["moe.experts"] = ReplicateParameters()
-            if block.moe.shared_experts is not None:
-                plan.update({
-                    "moe.shared_experts.w1": ColwiseParallel(),
-                    "moe.shared_experts.w3": ColwiseParallel(),
-                    "moe.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
-                })  # fmt: skip
+            plan.update(moe_block_plan(block.moe, replicate_experts))
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
