@@ -54,8 +54,7 @@ def test_model_shape_checks():
     with pytest.raises(ConfigError, match="vocab_size=511"):
         spec.check_layout(dataclasses.replace(args, vocab_size=511), dims(2, tp=2))
     with pytest.raises(ConfigError, match="ep > 1 needs a mixture-of-experts model"):
-        RunPlan.build(load_config(["--model.flavor", "tiny", "--parallelism.ep", "2", "--parallelism.dp_replicate", "2",
-                                   "--parallelism.dp_shard", "1"]), 2)  # fmt: skip
+        RunPlan.build(load_config(["--model.flavor", "tiny", "--parallelism.ep", "2", "--parallelism.dp_shard", "2"]), 2)
     spec.check_layout(args, dims(4, tp=4))
 
 
