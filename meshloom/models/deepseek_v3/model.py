@@ -30,7 +30,7 @@ from torch import nn
 
 from meshloom.config.errors import UserError
 from meshloom.models.common.feed_forward import FeedForward
-from meshloom.models.common.init import trunc_normal_
+from meshloom.models.common.init import init_embedding_and_output, trunc_normal_
 from meshloom.models.common.mla import MultiHeadLatentAttention
 from meshloom.models.common.moe import MoE, MoEArgs
 from meshloom.models.common.norm import RMSNorm
@@ -181,10 +181,7 @@ class DeepSeekV3(nn.Module):
             module.init_weights(self.init_std, out_std)
         if self.norm is not None:
             self.norm.init_weights()
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        if self.output is not None:
-            trunc_normal_(self.output.weight, args.dim**-0.5)
+        init_embedding_and_output(self.tok_embeddings, self.output, False, self.init_std, args.dim)
 
     def forward(
         self,

@@ -31,7 +31,7 @@ from torch import nn
 from meshloom.config.errors import UserError
 from meshloom.models.common.attention import GroupedQueryAttention, causal_attention
 from meshloom.models.common.feed_forward import FeedForward
-from meshloom.models.common.init import trunc_normal_
+from meshloom.models.common.init import init_embedding_and_output
 from meshloom.models.common.norm import RMSNorm
 from meshloom.models.common.rope import RopeScaling, apply_rope, rope_tables, scale_rope_frequencies
 
@@ -187,22 +187,7 @@ class Transformer(nn.Module):
             layer.init_weights(self.init_std, out_std)
         if self.norm is not None:
             self.norm.init_weights()
-
-        # Untied: the projection gets std 1/sqrt(dim), which keeps initial
-        # logits near unit variance, and the table is unit-variance (every
-        # block re-normalises its input, so only its relative scale matters).
-        # Tied: the final hidden state of a token is mostly its own embedding
-        # at init, so a large table makes every token predict itself; the
-        # small hidden-projection std keeps the initial loss near ln(vocab).
-        if args.tie_embeddings:
-            table = self.tok_embeddings if self.tok_embeddings is not None else self.output
-            if table is not None:
-                trunc_normal_(table.weight, self.init_std)
-        else:
-            if self.tok_embeddings is not None:
-                nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-            if self.output is not None:
-                trunc_normal_(self.output.weight, args.dim**-0.5)
+        init_embedding_and_output(self.tok_embeddings, self.output, args.tie_embeddings, self.init_std, args.dim)
 
     def forward(
         self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None

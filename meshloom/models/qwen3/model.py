@@ -25,7 +25,7 @@ from torch import nn
 from meshloom.config.errors import UserError
 from meshloom.models.common.attention import GroupedQueryAttention
 from meshloom.models.common.feed_forward import FeedForward
-from meshloom.models.common.init import trunc_normal_
+from meshloom.models.common.init import init_embedding_and_output
 from meshloom.models.common.moe import MoE, MoEArgs
 from meshloom.models.common.norm import RMSNorm
 from meshloom.models.common.rope import apply_rope_half, rope_tables
@@ -142,17 +142,7 @@ class Qwen3(nn.Module):
             layer.init_weights(self.init_std, out_std)
         if self.norm is not None:
             self.norm.init_weights()
-        # As in Llama 3: a tied table is small (else every token predicts itself at init); an untied embedding is
-        # unit-variance and the projection 1/sqrt(dim), so the initial logits are near unit variance.
-        if args.tie_embeddings:
-            table = self.tok_embeddings if self.tok_embeddings is not None else self.output
-            if table is not None:
-                trunc_normal_(table.weight, self.init_std)
-        else:
-            if self.tok_embeddings is not None:
-                nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-            if self.output is not None:
-                trunc_normal_(self.output.weight, args.dim**-0.5)
+        init_embedding_and_output(self.tok_embeddings, self.output, args.tie_embeddings, self.init_std, args.dim)
 
     def forward(
         self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
