@@ -28,6 +28,20 @@ class HFConfigError(UserError):
     """A Hugging Face config.json that meshloom cannot represent."""
 
 
+def require_hf_keys(config: Mapping[str, Any], required: tuple[str, ...], family: str, where: str) -> None:
+    """HFConfigError naming the keys of `required` that a `family` config.json lacks."""
+    missing = [key for key in required if key not in config]
+    if missing:
+        raise HFConfigError(f"{where}: missing {missing}; a {family} config.json needs {list(required)}")
+
+
+def refuse_unsupported_hf_values(unsupported: Mapping[str, tuple[Any, Any]], family: str, where: str) -> None:
+    """HFConfigError for the first key whose (value, the only value meshloom's `family` computes) differ."""
+    for key, (value, wanted) in unsupported.items():
+        if value != wanted:
+            raise HFConfigError(f"{where}: {key}={value!r} is not supported; meshloom's {family} needs {key}={wanted!r}")
+
+
 class HFAdapter(ABC):
     # Class names in config.json's "architectures" that this family reads, and its "model_type".
     architectures: tuple[str, ...]

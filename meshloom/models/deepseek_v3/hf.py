@@ -25,7 +25,7 @@ import torch
 from meshloom.config.errors import UserError
 from meshloom.models.common.rope import YarnScaling
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
-from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter
+from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter, refuse_unsupported_hf_values, require_hf_keys
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
@@ -98,9 +98,7 @@ def _yarn(config: Mapping[str, Any], where: str) -> tuple[float, YarnScaling | N
 def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -> DeepSeekV3Args:
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # fmt: skip
-    missing = [key for key in required if key not in config]
-    if missing:
-        raise HFConfigError(f"{where}: missing {missing}; a DeepSeek-V3 config.json needs {list(required)}")
+    require_hf_keys(config, required, "DeepSeek-V3", where)
     n_heads = int(config["num_attention_heads"])
     unsupported = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
@@ -110,9 +108,7 @@ def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -
         "scoring_func": (config.get("scoring_func", "sigmoid"), "sigmoid"),
         "moe_layer_freq": (config.get("moe_layer_freq", 1), 1),
     }
-    for key, (value, wanted) in unsupported.items():
-        if value != wanted:
-            raise HFConfigError(f"{where}: {key}={value!r} is not supported; meshloom's DeepSeek-V3 needs {key}={wanted!r}")
+    refuse_unsupported_hf_values(unsupported, "DeepSeek-V3", where)
     theta, scaling = _yarn(config, where)
     n_layers = int(config["num_hidden_layers"])
     try:

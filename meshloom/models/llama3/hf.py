@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter
+from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter, refuse_unsupported_hf_values, require_hf_keys
 from meshloom.models.llama3.model import Llama3Args, RopeScaling
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -85,17 +85,13 @@ def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -
             f"meshloom imports Llama checkpoints ({ARCHITECTURE}, model_type 'llama')"
         )
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [key for key in required if key not in config]
-    if missing:
-        raise HFConfigError(f"{where}: missing {missing}; a Llama config.json needs {list(required)}")
+    require_hf_keys(config, required, "Llama", where)
     unsupported = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (config.get("attention_bias", False), False),
         "mlp_bias": (config.get("mlp_bias", False), False),
     }
-    for key, (value, wanted) in unsupported.items():
-        if value != wanted:
-            raise HFConfigError(f"{where}: {key}={value!r} is not supported; meshloom's Llama needs {key}={wanted!r}")
+    refuse_unsupported_hf_values(unsupported, "Llama", where)
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = config.get("head_dim")
     if head_dim is not None and n_heads and int(head_dim) * n_heads != dim:

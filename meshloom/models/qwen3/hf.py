@@ -18,7 +18,7 @@ import torch
 
 from meshloom.config.errors import UserError
 from meshloom.models.common.moe import MoEArgs
-from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter
+from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter, refuse_unsupported_hf_values, require_hf_keys
 from meshloom.models.qwen3.model import Qwen3Args
 
 DENSE_ARCHITECTURE, MOE_ARCHITECTURE = "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
@@ -63,17 +63,13 @@ def _rope_theta(config: Mapping[str, Any], where: str) -> float:
 def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -> Qwen3Args:
     """Qwen3Args for a Qwen3 or Qwen3-MoE config.json; anything meshloom would compute differently is an error."""
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [key for key in required if key not in config]
-    if missing:
-        raise HFConfigError(f"{where}: missing {missing}; a Qwen3 config.json needs {list(required)}")
+    require_hf_keys(config, required, "Qwen3", where)
     unsupported = {
         "hidden_act": (config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (config.get("attention_bias", False), False),
         "use_sliding_window": (config.get("use_sliding_window", False), False),
     }
-    for key, (value, wanted) in unsupported.items():
-        if value != wanted:
-            raise HFConfigError(f"{where}: {key}={value!r} is not supported; meshloom's Qwen3 needs {key}={wanted!r}")
+    refuse_unsupported_hf_values(unsupported, "Qwen3", where)
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     n_experts = int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
     is_moe = config.get("model_type") == MOE_TYPE or MOE_ARCHITECTURE in (config.get("architectures") or ())
