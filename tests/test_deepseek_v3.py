@@ -21,6 +21,7 @@ from meshloom.models.common.rope import YarnScaling, rope_tables
 from meshloom.models.deepseek_v3 import hf as deepseek_hf
 from meshloom.models.deepseek_v3.model import DeepSeekV3, build_moe
 from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.parallel.apply import carve_stage
 from meshloom.parallel.dims import ParallelDims
 from meshloom.planning.run_plan import RunPlan
 
@@ -311,7 +312,7 @@ def test_shape_model_counts_what_the_meta_model_holds(flavor):
     routed = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
     assert routed == sum(p.numel for i in range(args.n_layers + args.mtp_depth) for p in shape.block_params(i) if p.expert)
     with torch.device("meta"):  # a pipeline's last stage: its blocks, the output, the prediction modules, the embedding copy
-        last = SPEC.carve_stage(DeepSeekV3(args), [args.n_layers - 1], first=False, last=True)
+        last = carve_stage(DeepSeekV3(args), SPEC.parallel, [args.n_layers - 1], first=False, last=True)
     assert sum(p.numel() for p in last.parameters()) == sum(
         p.numel for p in [*shape.block_params(args.n_layers - 1), *shape.root_params(first=False, last=True)]
     )
@@ -361,9 +362,9 @@ def test_layout_mistakes_are_named_config_errors(world, settings, message):
 
 def test_shared_experts_must_split_over_tp():
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=4, pp=1, cp=1, ep=1, world_size=4)
-    SPEC.check_layout(tiny(), dims)
+    SPEC.check_layout(tiny(), load_config(DS), dims)
     with pytest.raises(ConfigError, match=r"parallelism.tp=4 does not divide the model's moe_inter_dim x n_shared_experts=30"):
-        SPEC.check_layout(tiny(moe_inter_dim=30), dims)
+        SPEC.check_layout(tiny(moe_inter_dim=30), load_config(DS), dims)
 
 
 @pytest.mark.parametrize(
@@ -376,15 +377,6 @@ def test_shared_experts_must_split_over_tp():
     ],
 )
 def test_settings_the_model_cannot_honour_are_config_errors(world, settings, message):
-    """Checked on the meta model by parallelize, before any weight exists (a fake process group of `world` ranks)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    plan = RunPlan.build(load_config([*DS, "--model.flavor", "tiny", *settings]), world)
-    dist.init_process_group(backend="fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        plan.dims.build_mesh("cpu")
-        with torch.device("meta"), pytest.raises(ConfigError, match=message):
-            SPEC.parallelize(SPEC.model_cls(plan.model_args), plan.dims, plan.config)
-    finally:
-        dist.destroy_process_group()
+    """Checked by the run plan, before any process group or weight exists."""
+    with pytest.raises(ConfigError, match=message):
+        RunPlan.build(load_config([*DS, "--model.flavor", "tiny", *settings]), world)

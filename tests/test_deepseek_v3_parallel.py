@@ -20,6 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshloom.config.loader import load_config
 from meshloom.models.deepseek_v3.parallelize import moe_layers
 from meshloom.models.registry import get_model_spec
+from meshloom.parallel.apply import carve_stage, parallelize
 from meshloom.planning.dry_run import dry_run
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import estimate_memory
@@ -45,7 +46,7 @@ def test_expert_parallel_splits_every_moe_block_under_tensor_parallel():
     try:
         plan.dims.build_mesh("cpu")
         with torch.device("meta"):
-            model = SPEC.parallelize(SPEC.model_cls(plan.model_args), plan.dims, plan.config)
+            model = parallelize(SPEC.model_cls(plan.model_args), plan)
     finally:
         dist.destroy_process_group()
     layers = moe_layers(model)
@@ -69,7 +70,7 @@ def test_tensor_parallel_plan_of_the_moe_blocks():
     try:
         plan.dims.build_mesh("cpu")
         with torch.device("meta"):
-            model = SPEC.parallelize(SPEC.model_cls(plan.model_args), plan.dims, plan.config)
+            model = parallelize(SPEC.model_cls(plan.model_args), plan)
     finally:
         dist.destroy_process_group()
     layers = moe_layers(model)
@@ -119,8 +120,8 @@ def test_dry_run_of_671b_on_1024_ranks():
         plan.dims.build_mesh("cpu")
         assert plan.pipeline.stages_of(plan.dims.mesh("pp").get_local_rank()) == [last]
         with torch.device("meta"):
-            stage = SPEC.carve_stage(SPEC.model_cls(plan.model_args), plan.pipeline.stage_layers[last], False, True)
-            stage = SPEC.parallelize(stage, plan.dims, plan.config)
+            stage = carve_stage(SPEC.model_cls(plan.model_args), SPEC.parallel, plan.pipeline.stage_layers[last], False, True)
+            stage = parallelize(stage, plan)
     finally:
         dist.destroy_process_group()
     layers = moe_layers(stage)

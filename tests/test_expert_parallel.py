@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from meshloom.config.errors import ConfigError
 from meshloom.config.loader import load_config
 from meshloom.models.registry import get_model_spec
+from meshloom.parallel.apply import parallelize
 from meshloom.planning.dry_run import dry_run
 from meshloom.planning.run_plan import RunPlan
 from meshloom.tools.checkpoint_commands import seed_checkpoint
@@ -167,7 +168,7 @@ def _fake_parallelize(world: int, settings: list[str]):
         plan.dims.build_mesh("cpu")
         spec = get_model_spec("qwen3")
         with torch.device("meta"):
-            yield spec.parallelize(spec.model_cls(plan.model_args), plan.dims, plan.config), plan.dims
+            yield parallelize(spec.model_cls(plan.model_args), plan), plan.dims
     finally:
         dist.destroy_process_group()
 

@@ -11,6 +11,7 @@ import torch
 
 from meshloom.config import ConfigError, ParallelismConfig, load_config
 from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.parallel.apply import parallelize
 from meshloom.parallel.dims import ParallelDims
 from meshloom.planning.run_plan import RunPlan
 
@@ -48,14 +49,14 @@ def test_model_shape_checks():
     dense model), as the run plan applies them."""
     spec, args = get_model_spec("llama3"), get_model_args("llama3", "tiny")
     with pytest.raises(ConfigError, match=r"tp=3 does not divide the model's n_heads=8"):
-        spec.check_layout(args, dims(3, tp=3))
+        spec.check_layout(args, load_config([]), dims(3, tp=3))
     with pytest.raises(ConfigError, match="n_kv_heads=4"):
-        spec.check_layout(args, dims(8, tp=8))
+        spec.check_layout(args, load_config([]), dims(8, tp=8))
     with pytest.raises(ConfigError, match="vocab_size=511"):
-        spec.check_layout(dataclasses.replace(args, vocab_size=511), dims(2, tp=2))
+        spec.check_layout(dataclasses.replace(args, vocab_size=511), load_config([]), dims(2, tp=2))
     with pytest.raises(ConfigError, match="ep > 1 needs a mixture-of-experts model"):
         RunPlan.build(load_config(["--model.flavor", "tiny", "--parallelism.ep", "2", "--parallelism.dp_shard", "2"]), 2)
-    spec.check_layout(args, dims(4, tp=4))
+    spec.check_layout(args, load_config([]), dims(4, tp=4))
 
 
 def _launch(nproc: int, overrides: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
@@ -124,7 +125,7 @@ def test_tensor_parallel_keeps_a_tied_llama_output_tied():
     try:
         plan.dims.build_mesh("cpu")
         with torch.device("meta"):
-            model = plan.spec.parallelize(plan.spec.model_cls(plan.model_args), plan.dims, plan.config)
+            model = parallelize(plan.spec.model_cls(plan.model_args), plan)
     finally:
         dist.destroy_process_group()
     assert model.output.weight is model.tok_embeddings.weight

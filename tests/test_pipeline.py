@@ -10,6 +10,7 @@ import torch
 
 from meshloom.config.loader import ConfigError, load_config
 from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.parallel.apply import carve_stage
 from meshloom.parallel.pipeline import SCHEDULES
 from meshloom.planning.run_plan import RunPlan
 from meshloom.tools.parity import BF16_TOLERANCE, FP32_TOLERANCE, compare
@@ -128,9 +129,9 @@ def test_carved_stages_hold_only_their_layers():
     spec = get_model_spec("llama3")
     args = dataclasses.replace(get_model_args("llama3", "tiny"), n_layers=4)
     with torch.device("meta"):
-        first = spec.carve_stage(spec.model_cls(args), (0,), True, False)
-        middle = spec.carve_stage(spec.model_cls(args), (1, 2), False, False)
-        last = spec.carve_stage(spec.model_cls(args), (3,), False, True)
+        first = carve_stage(spec.model_cls(args), spec.parallel, (0,), True, False)
+        middle = carve_stage(spec.model_cls(args), spec.parallel, (1, 2), False, False)
+        last = carve_stage(spec.model_cls(args), spec.parallel, (3,), False, True)
     assert owners(first) == {"tok_embeddings", "layers.0"}
     assert owners(middle) == {"layers.1", "layers.2"}
     assert owners(last) == {"layers.3", "norm", "output"}
@@ -138,7 +139,7 @@ def test_carved_stages_hold_only_their_layers():
 
 def test_stage_weights_equal_the_one_process_model():
     p = run_plan("--training.seed", "3", "--pipeline.schedule", "Interleaved1F1B")
-    whole_model = build_model(p, torch.device("cpu"), parallelize=False)
+    whole_model = build_model(p, torch.device("cpu"), bare=True)
     whole = dict(whole_model.named_parameters())
     stages = build_pipeline_stages(p, torch.device("cpu"), [0, 1, 2, 3])
     seen = set()

@@ -19,6 +19,7 @@ from meshloom.config.errors import ConfigError
 from meshloom.config.loader import load_config
 from meshloom.inference.generate import generate
 from meshloom.models.registry import get_model_args, get_model_spec
+from meshloom.parallel.apply import parallelize
 from meshloom.planning.dry_run import dry_run
 from meshloom.planning.run_plan import RunPlan
 from meshloom.tools.checkpoint_commands import convert_main
@@ -191,11 +192,8 @@ def test_layouts_the_shapes_forbid_are_config_errors(tmp_path, flavor, world, se
 )
 def test_moe_settings_the_layout_cannot_honour_are_config_errors(tmp_path, world, settings, message):
     config = load_config(["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--job.dump_folder", str(tmp_path), *settings])
-    plan = RunPlan.build(config, world)
-    with torch.device("meta"):
-        model = SPEC.model_cls(plan.model_args)
     with pytest.raises(ConfigError, match=message):
-        SPEC.parallelize(model, plan.dims, plan.config)
+        RunPlan.build(config, world)  # before any process group or model exists
 
 
 def test_dry_run_235b_a22b_on_256_ranks():
@@ -288,7 +286,7 @@ def test_tensor_parallel_keeps_a_tied_output_tied():
     try:
         plan.dims.build_mesh("cpu")
         with torch.device("meta"):
-            model = SPEC.parallelize(SPEC.model_cls(plan.model_args), plan.dims, plan.config)
+            model = parallelize(SPEC.model_cls(plan.model_args), plan)
     finally:
         dist.destroy_process_group()
     assert model.output.weight is model.tok_embeddings.weight

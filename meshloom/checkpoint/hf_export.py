@@ -99,21 +99,11 @@ def run_tokenizer_files(checkpoint: Path) -> tuple[dict[str, bytes], dict[str, i
     return files, {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}, note
 
 
-def check_hf_export_config(plan: RunPlan) -> None:
-    """ConfigError for an export the run cannot make (before anything heavy is built)."""
-    interval = plan.config.checkpoint.hf_export_interval
-    if interval < 0:
-        raise ConfigError(f"checkpoint.hf_export_interval must be >= 0 (0 = no exports), got {interval}")
-    if interval and plan.spec.hf is None:
-        raise ConfigError(f"checkpoint.hf_export_interval: the {plan.spec.name} family has no Hugging Face format; set it to 0")
-
-
 class HFExporter:
     """`maybe_export(step)` after every step; `close()` at the end of training waits for the last write."""
 
     def __init__(self, plan: RunPlan, run_dir: Path, model_parts: list[nn.Module], tokenizer: Any):
         config = plan.config
-        check_hf_export_config(plan)
         self.interval, self.plan, self.parts = config.checkpoint.hf_export_interval, plan, model_parts
         self.root = Path(run_dir) / HF_EXPORT_DIR
         self.dtype = DTYPES[config.checkpoint.hf_export_dtype]

@@ -29,9 +29,7 @@ from meshloom.config.loader import load_config, sections
 from meshloom.config.schema import Config
 from meshloom.eval.data import IGNORE, EvalSet, load_eval_set
 from meshloom.inference import loading
-from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import init_distributed, rank, world_size_from_env
-from meshloom.parallel.pipeline import plan_pipeline
 from meshloom.planning.run_plan import RunPlan
 from meshloom.train.runtime import select_device
 
@@ -63,16 +61,11 @@ def _config(source: loading.InferenceSource, overrides: tuple[str, ...]) -> Conf
     return load_config(argv + list(_EVAL_SETTINGS) + list(overrides))
 
 
-def eval_plan(config: Config, world_size: int, spec: Any, args: Any) -> RunPlan:
-    """A RunPlan for the source's own model shape (which may be no flavour of the family)."""
-    dims = ParallelDims.from_config(config.parallelism, world_size)
-    if dims.cp > 1:
+def eval_plan(config: Config, world_size: int, args: Any) -> RunPlan:
+    """The training RunPlan, with its checks, for the source's own model shape (which may be no flavour)."""
+    if config.parallelism.cp > 1:
         raise ConfigError("meshloom eval does not split sequences over ranks: set parallelism.cp = 1")
-    if dims.pp > args.n_layers:
-        raise ConfigError(f"parallelism.pp={dims.pp} exceeds the model's {args.n_layers} layers; lower pp")
-    spec.check_layout(args, dims)
-    pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
-    return RunPlan(config, world_size, spec, args, dims, 1, pipeline)
+    return RunPlan.build(config, world_size, model_args=args)
 
 
 def _sum_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -106,8 +99,8 @@ class _Model:
         from meshloom.train.pipeline_step import PipelineRunner  # noqa: PLC0415
 
         self.plan, self.device = plan, device
-        bf16 = plan.config.training.mixed_precision == "bf16"
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()  # noqa: E731
+        low_precision = plan.compute_dtype != torch.float32
+        autocast = lambda: torch.autocast(device.type, dtype=plan.compute_dtype) if low_precision else contextlib.nullcontext()  # noqa: E731
         self.autocast = autocast
         self.runner = None
         if plan.pipeline is not None:
@@ -145,7 +138,7 @@ def evaluate(source_path: str | Path, options: EvalOptions) -> dict[str, Any]:
     config.training = dataclasses.replace(config.training, seq_len=seq_len, local_batch_size=options.batch_size, global_batch_size=-1)
     config.parallelism.loss_parallel = False  # whole logits on every tensor-parallel rank: a plain summed loss
     config.model.name, config.model.n_layers = spec.name, args.n_layers
-    plan = eval_plan(config, world_size_from_env(), spec, args)
+    plan = eval_plan(config, world_size_from_env(), args)
     tokenizer = loading.load_tokenizer(source, options.tokenizer)
     if tokenizer.vocab_size > args.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {args.vocab_size}; pass the model's own --tokenizer")

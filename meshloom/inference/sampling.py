@@ -20,7 +20,7 @@ class SamplingSettings:
     seed: int | None = None  # a seeded generator makes a sample reproducible
 
     def check(self, names: dict[str, str] = CLI_NAMES) -> SamplingSettings:
-        """Raise ValueError naming the setting (as `names` calls it) for a value outside its range."""
+        """Raise UserError naming the setting (as `names` calls it) for a value outside its range."""
         if not self.temperature >= 0:
             raise UserError(f"{names['temperature']} must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -37,6 +37,25 @@ class SamplingSettings:
         if self.greedy or self.seed is None:
             return None
         return torch.Generator(device=device).manual_seed(self.seed)
+
+
+# What validation.* sampling settings are called in a recipe.
+VALIDATION_NAMES = {"temperature": "validation.temperature", "top_k": "validation.top_k", "top_p": "validation.top_p"}
+
+
+def check_sampling_settings(validation) -> None:
+    """ConfigError for validation.* sampling settings out of range, when validation.prompts asks for samples."""
+    from meshloom.config.errors import ConfigError
+
+    v = validation
+    if not v.prompts:
+        return
+    try:
+        SamplingSettings(v.temperature, v.top_k, v.top_p, v.sample_seed).check(VALIDATION_NAMES)
+    except UserError as err:
+        raise ConfigError(str(err)) from None
+    if v.max_new_tokens < 1:
+        raise ConfigError(f"validation.max_new_tokens must be >= 1, got {v.max_new_tokens}")
 
 
 def next_tokens(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None = None) -> torch.Tensor:

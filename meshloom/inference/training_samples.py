@@ -23,11 +23,10 @@ from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
 from meshloom.inference.generate import check_prompts, generate
 from meshloom.inference.prompts import read_prompts
-from meshloom.inference.sampling import SamplingSettings
+from meshloom.inference.sampling import SamplingSettings, check_sampling_settings
 from meshloom.parallel.distributed import rank
 from meshloom.planning.run_plan import RunPlan
 
-SETTING_NAMES = {"temperature": "validation.temperature", "top_k": "validation.top_k", "top_p": "validation.top_p"}
 
 
 def check_sampling_config(config: Config) -> list[str]:
@@ -35,10 +34,8 @@ def check_sampling_config(config: Config) -> list[str]:
     v = config.validation
     if not v.prompts:
         return []
+    check_sampling_settings(v)
     try:
-        SamplingSettings(v.temperature, v.top_k, v.top_p, v.sample_seed).check(SETTING_NAMES)
-        if v.max_new_tokens < 1:
-            raise UserError(f"validation.max_new_tokens must be >= 1, got {v.max_new_tokens}")
         return read_prompts(v.prompts, "validation.prompts")
     except UserError as err:
         raise ConfigError(str(err)) from None

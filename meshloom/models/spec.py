@@ -19,13 +19,14 @@ Everything family-specific sits behind one spec in `meshloom/models/<family>/`; 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from meshloom.models.shape import ShapeModel
+from meshloom.parallel.apply import ParallelParts
 
 if TYPE_CHECKING:
     from meshloom.config.schema import Config
@@ -39,14 +40,12 @@ class ModelSpec:
     name: str
     model_cls: type[nn.Module]
     flavors: Mapping[str, Any]
-    # Applies every parallelism the config asks for to a built model (or to one pipeline stage of it), in the
-    # family's fixed order; on one process it still applies Float8, activation checkpointing and compile.
-    parallelize: Callable[[nn.Module, ParallelDims, Config], nn.Module]
-    # Cuts a (meta-device) model down to one pipeline stage: its blocks (global indices), plus whatever the first
-    # and the last stage keep (embedding; final norm, output, ...).
-    carve_stage: Callable[[nn.Module, Sequence[int], bool, bool], nn.Module]
-    # Raises ConfigError when the model's shapes do not allow the parallel degrees (heads not divisible by tp, ...).
-    check_layout: Callable[[Any, ParallelDims], None]
+    # The family's parts for the one parallelize driver (meshloom/parallel/apply.py): its block TP plan, its MoE
+    # layers and extra modules, what its last pipeline stage keeps. The order of application is the driver's.
+    parallel: ParallelParts
+    # Raises ConfigError when the model's shapes do not allow the parallel degrees (heads not divisible by tp, ...)
+    # or a setting the family cannot honour; called by RunPlan.build with (model args, config, degrees).
+    check_layout: Callable[[Any, Config, ParallelDims], None]
     # The shapes and per-token costs the estimators, --dry-run and `meshloom plan` read.
     shape_model: Callable[[Any], ShapeModel]
     # Hugging Face config.json and tensor names; None when the family has no Hugging Face counterpart.

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
+from meshloom.parallel.apply import carve_stage, parallelize
 from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import GIB, MemoryEstimate, estimate_memory
@@ -98,7 +99,7 @@ def dry_run(config: Config, world_size: int) -> DryRunReport:
 def _build_rank0(plan: RunPlan) -> list[torch.nn.Module]:
     """What the trainer builds on rank 0, on meta: the parallelized model, or pipeline rank 0's stages (each carved
     out of a meta model and parallelized like a whole one, as the trainer does)."""
-    spec, args, dims, config = plan.spec, plan.model_args, plan.dims, plan.config
+    spec, args, dims = plan.spec, plan.model_args, plan.dims
     stage_ids = plan.pipeline.stages_of(0) if plan.pipeline is not None else [None]
     parts = []
     for stage in stage_ids:
@@ -106,9 +107,9 @@ def _build_rank0(plan: RunPlan) -> list[torch.nn.Module]:
             module = spec.model_cls(args)
             if stage is not None:
                 last = stage == plan.pipeline.num_stages - 1
-                spec.carve_stage(module, plan.pipeline.stage_layers[stage], stage == 0, last)
+                carve_stage(module, spec.parallel, plan.pipeline.stage_layers[stage], stage == 0, last)
             if dims.is_distributed:
-                module = spec.parallelize(module, dims, config)
+                module = parallelize(module, plan)
         parts.append(module)
     return parts
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshloom.config.errors import ConfigError, UserError
+from meshloom.config.schema import Config
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
@@ -93,7 +94,7 @@ def _allowed(spec: ModelSpec, args: Any, layout: Layout) -> bool:
     """Whether the family's layout checks accept the layout's degrees."""
     dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.cp, layout.ep, layout.world_size)
     try:
-        spec.check_layout(args, dims)
+        spec.check_layout(args, Config(), dims)
     except ConfigError:
         return False
     return True

@@ -1,8 +1,10 @@
 """`RunPlan`: everything a run derives from its settings and world size, computed once, with every check.
 
 Built from (config, world size) alone: no process group, no tensors (a meta-device model at most, for shape
-checks). The trainer, `--dry-run`, `meshloom plan`, the checkpoint pre-check and the parity harness all take a
-plan instead of re-deriving degrees, batch sizes or pipeline stages, so they cannot disagree.
+checks). The trainer, `--dry-run`, `meshloom plan`, `eval`, `generate`, the checkpoint pre-check and the parity
+harness all take a plan instead of re-deriving degrees, batch sizes, dtypes or pipeline stages, so they cannot
+disagree, and they refuse the same mistakes the same way before a process group exists. Files (data, tokenizer,
+prompts) are checked by the commands that read them: a dry run plans a cluster's run whose paths may exist only there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
+from meshloom.inference.sampling import check_sampling_settings
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
@@ -23,7 +26,10 @@ from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.float8 import check_float8_config
 from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline
 from meshloom.observe.profiler import check_profiling_config
+from meshloom.planning.checks import check_context_parallel, check_generic_layout, check_moe_settings, grad_accum_steps
 from meshloom.train.qk_clip import check_qk_clip_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -39,11 +45,12 @@ class RunPlan:
     pipeline: PipelinePlan | None
 
     @classmethod
-    def build(cls, config: Config, world_size: int, device: torch.device | None = None) -> RunPlan:
-        """Raise ConfigError for any setting the model, the world size or (when given) the device rules out."""
+    def build(cls, config: Config, world_size: int, device: torch.device | None = None, model_args: Any = None) -> RunPlan:
+        """Raise ConfigError for any setting the model, the world size or (when given) the device rules out.
+        `model_args`: a model of the family that is no flavour of it (e.g. read from a Hugging Face config.json)."""
         if world_size < 1:
             raise ConfigError(f"the world size must be a positive number of ranks, got {world_size}")
-        args = configured_model_args(config.model)
+        args = configured_model_args(config.model) if model_args is None else model_args
         spec = get_model_spec(config.model.name)
         tc = config.training
         if tc.seq_len > args.max_seq_len:
@@ -52,19 +59,24 @@ class RunPlan:
                 f"{args.max_seq_len}; lower training.seq_len"
             )
         dims = ParallelDims.from_config(config.parallelism, world_size)
-        _check_generic_layout(spec.shape_model(args), dims)
-        spec.check_layout(args, dims)
+        shape = spec.shape_model(args)
+        check_generic_layout(shape, dims)
+        check_context_parallel(config, dims)
+        check_moe_settings(shape, config, dims)
+        spec.check_layout(args, config, dims)
         pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
-        grad_accum_steps = _grad_accum_steps(config, dims.dp)
+        accumulation = grad_accum_steps(config, dims.dp)
         check_activation_checkpoint_config(config.activation_checkpoint, config.compile.enable)
         check_profiling_config(config.profiling)
         check_qk_clip_config(config, spec, dims)
+        _check_hf_export(config, spec)
+        check_sampling_settings(config.validation)
         if device is not None:
             check_compile_config(config.compile, device, dims.tp)
             if config.float8.enable:
                 with torch.device("meta"):  # shapes only: nothing is allocated
                     check_float8_config(config.float8, spec.model_cls(args), device, dims.tp)
-        return cls(config, world_size, spec, args, dims, grad_accum_steps, pipeline)
+        return cls(config, world_size, spec, args, dims, accumulation, pipeline)
 
     @property
     def dp(self) -> int:
@@ -79,28 +91,36 @@ class RunPlan:
     def shape(self) -> ShapeModel:
         return self.spec.shape_model(self.model_args)
 
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the output head leaves its logits vocabulary-sharded over tp for the loss to reduce."""
+        return self.dims.tp > 1 and self.config.parallelism.loss_parallel
 
-def _check_generic_layout(shape: ShapeModel, dims: ParallelDims) -> None:
-    """What every family's degrees must satisfy: whole blocks per pipeline stage, experts only on MoE models."""
-    if dims.pp > shape.n_layers:
-        raise ConfigError(f"parallelism.pp={dims.pp} exceeds the model's {shape.n_layers} layers; lower pp")
-    if dims.ep > 1 and shape.n_experts == 0:
-        raise ConfigError("parallelism.ep > 1 needs a mixture-of-experts model; this model is dense, set ep = 1")
-    if dims.ep > 1 and shape.n_experts % dims.ep:
-        choices = [d for d in range(1, shape.n_experts + 1) if shape.n_experts % d == 0]
-        raise ConfigError(
-            f"parallelism.ep={dims.ep} does not divide the model's {shape.n_experts} routed experts (each ep rank holds "
-            f"the same number); choose ep from {choices[-6:]}"
-        )
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the blocks compute in: bf16 under training.mixed_precision = "bf16" (autocast or FSDP's param dtype)."""
+        return torch.bfloat16 if self.config.training.mixed_precision == "bf16" else torch.float32
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """What FSDP gathers parameters in (the master weights stay fp32)."""
+        return self.compute_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.config.parallelism.fsdp_reduce_dtype]
+
+    @property
+    def fsdp_reshard_after_forward(self):
+        """parallelism.fsdp_reshard_after_forward, or what the pipeline schedule needs (zero-bubble keeps it)."""
+        if self.pipeline is not None:
+            return self.pipeline.fsdp_reshard_after_forward
+        return self.config.parallelism.fsdp_reshard_after_forward
 
 
-def _grad_accum_steps(config: Config, dp: int) -> int:
-    tc = config.training
-    per_microbatch = tc.local_batch_size * dp
-    global_batch = per_microbatch if tc.global_batch_size == -1 else tc.global_batch_size
-    if global_batch % per_microbatch:
-        raise ConfigError(
-            f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x data-parallel "
-            f"degree = {tc.local_batch_size} x {dp}; change one of them"
-        )
-    return global_batch // per_microbatch
+def _check_hf_export(config: Config, spec: ModelSpec) -> None:
+    interval = config.checkpoint.hf_export_interval
+    if interval < 0:
+        raise ConfigError(f"checkpoint.hf_export_interval must be >= 0 (0 = no exports), got {interval}")
+    if interval and spec.hf is None:
+        raise ConfigError(f"checkpoint.hf_export_interval: the {spec.name} family has no Hugging Face format; set it to 0")

@@ -49,7 +49,7 @@ def seed_checkpoint(argv: list[str]) -> Path:
         raise UserError(f"{root} already holds checkpoints (up to step {complete[-1].step}); choose another job.dump_folder")
     plan = RunPlan.build(config, world_size=1)
     torch.manual_seed(config.training.seed)
-    model = build_model(plan, torch.device("cpu"), parallelize=False)
+    model = build_model(plan, torch.device("cpu"), bare=True)
     path = folders.step_dir(root, 0)
     with staged_folder(path) as tmp:
         save_weights(model, tmp, plan.spec, plan.model_args, config)

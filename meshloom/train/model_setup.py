@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 from torch.distributed.tensor import _random as dtensor_random
 
 from meshloom.config.schema import Config
+from meshloom.parallel.apply import carve_stage, parallelize
 from meshloom.parallel.dims import ParallelDims
 from meshloom.planning.run_plan import RunPlan
 
@@ -29,32 +28,26 @@ def _init_mode(model: nn.Module, config: Config) -> str:
     return mode
 
 
-def build_model(plan: RunPlan, device: torch.device, parallelize: bool = True) -> nn.Module:
-    """The model with real weights on `device`, parallelized as the plan says (parallelize=False: bare, whole)."""
+def build_model(plan: RunPlan, device: torch.device, bare: bool = False) -> nn.Module:
+    """The model with real weights on `device`, parallelized as the plan says (bare: whole, not parallelized)."""
     spec, dims, config = plan.spec, plan.dims, plan.config
     with torch.device("meta"):
         model = spec.model_cls(plan.model_args)
     seed = config.training.seed
-    if not parallelize or not dims.is_distributed:
+    if bare or not dims.is_distributed:
         model.to_empty(device=device)
         _init(model, seed)
         # One process: the parallelize function skips TP and FSDP but still applies Float8, AC and compile.
-        return spec.parallelize(model, dims, config) if parallelize else model
+        return model if bare else parallelize(model, plan)
     if _init_mode(model, config) == "full":
         # Same RNG stream as one process; parallelize then keeps only each rank's shard of it.
         model.to_empty(device=device)
         _init(model, seed)
-        return spec.parallelize(model, dims, config)
-    model = spec.parallelize(model, dims, config)
+        return parallelize(model, plan)
+    model = parallelize(model, plan)
     model.to_empty(device=device)
     _init(model, seed)
     return model
-
-
-def model_num_params(plan: RunPlan) -> int:
-    """Parameter count of the whole model, whatever part of it this rank holds (built on meta: no memory)."""
-    with torch.device("meta"):
-        return plan.spec.model_cls(plan.model_args).num_params()
 
 
 def build_pipeline_stages(plan: RunPlan, device: torch.device, stage_ids: list[int]) -> list[nn.Module]:
@@ -68,8 +61,7 @@ def build_pipeline_stages(plan: RunPlan, device: torch.device, stage_ids: list[i
     """
     spec, args, dims, pipeline = plan.spec, plan.model_args, plan.dims, plan.pipeline
     assert pipeline is not None, "a pipeline plan is needed"
-    reshard = pipeline.fsdp_reshard_after_forward
-    config = dataclasses.replace(plan.config, parallelism=dataclasses.replace(plan.config.parallelism, fsdp_reshard_after_forward=reshard))
+    config = plan.config
     with torch.device("meta"):
         whole = spec.model_cls(args)
     full_init = _init_mode(whole, config) == "full"
@@ -82,13 +74,13 @@ def build_pipeline_stages(plan: RunPlan, device: torch.device, stage_ids: list[i
     for stage in stage_ids:
         with torch.device("meta"):
             module = spec.model_cls(args)
-        spec.carve_stage(module, pipeline.stage_layers[stage], stage == 0, stage == pipeline.num_stages - 1)
+        carve_stage(module, spec.parallel, pipeline.stage_layers[stage], stage == 0, stage == pipeline.num_stages - 1)
         if full_init:
             module.to_empty(device=device)
             _copy_part(whole, module)
-            stages.append(spec.parallelize(module, dims, config))
+            stages.append(parallelize(module, plan))
         else:
-            module = spec.parallelize(module, dims, config)
+            module = parallelize(module, plan)
             module.to_empty(device=device)
             _init(module, config.training.seed + stage)
             stages.append(module)

@@ -42,7 +42,7 @@ class MoEBalancer:
         self.layers: list[tuple[str, MoE]] = [
             (name, module) for part in model_parts for name, module in part.named_modules() if isinstance(module, MoE)
         ]
-        compute_dtype = torch.bfloat16 if plan.config.training.mixed_precision == "bf16" else torch.float32
+        compute_dtype = plan.compute_dtype
         for name, layer in self.layers:
             sizes = tuple(layer.experts.w1.shape[1:])
             if settings.grouped_mm == "on" and not grouped_mm_supported(device, compute_dtype, sizes):

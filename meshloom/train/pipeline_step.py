@@ -109,7 +109,6 @@ def build_pipeline(
     pp_mesh = plan.dims.mesh("pp")
     stage_ids = plan.pipeline.stages_of(pp_mesh.get_local_rank())
     stages = build_pipeline_stages(plan, device, stage_ids)
-    loss_parallel = plan.dims.tp > 1 and plan.config.parallelism.loss_parallel
-    cross_entropy = build_loss_fn(plan.config.compile, cross_entropy_loss, loss_parallel=loss_parallel)
+    cross_entropy = build_loss_fn(plan.config.compile, cross_entropy_loss, loss_parallel=plan.loss_parallel)
     loss_fn = TrainingLoss(cross_entropy, plan.spec.aux_losses(plan.model_args))
     return PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, compute_context, loss_fn)

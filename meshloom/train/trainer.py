@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from meshloom.checkpoint.dcp import Checkpointer, checkpoint_root
-from meshloom.checkpoint.hf_export import HFExporter, check_hf_export_config
+from meshloom.checkpoint.hf_export import HFExporter
 from meshloom.checkpoint.state import TrainingParts, TrainProgress
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
@@ -72,7 +72,6 @@ class Trainer:
         self.model_args, self.dims, self.grad_accum_steps = self.plan.model_args, self.plan.dims, self.plan.grad_accum_steps
         check_data_config(config.data)
         self.sample_prompts = check_sampling_config(config)  # validation.prompts
-        check_hf_export_config(self.plan)  # checkpoint.hf_export_interval
         resume_after_restart(config, checkpoint_root(config, self.run_dir))
         check_run_folder(config, self.run_dir, restart_attempt())
         self.faults = FaultInjector(config.fault_injection)
@@ -153,7 +152,7 @@ class Trainer:
             self.model = build_model(self.plan, self.device)
             self.model_parts = [self.model]
         self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
-        self.loss_parallel = self.dims.tp > 1 and self.config.parallelism.loss_parallel
+        self.loss_parallel = self.plan.loss_parallel
         cross_entropy = build_loss_fn(self.config.compile, cross_entropy_loss, self.loss_parallel)
         self.loss_fn = TrainingLoss(cross_entropy, self.plan.spec.aux_losses(self.model_args))
 
@@ -161,7 +160,7 @@ class Trainer:
         """Throughput and MFU, step-time spread, profiler and metric logging; rank 0 writes the run's config."""
         config = self.config
         self.step_times = RankStepTimes(self.device)
-        peak = peak_flops_per_second(self.device, self._compute_dtype(), config.metrics.peak_tflops or None)
+        peak = peak_flops_per_second(self.device, self.plan.compute_dtype, config.metrics.peak_tflops or None)
         self.throughput = Throughput(self.plan.shape().flops_per_token(config.training.seq_len), peak, num_devices=self.world_size)
         self.rank = rank()
         self.profiler = StepProfiler(config.profiling, self.run_dir, self.rank, self.device)
@@ -183,13 +182,10 @@ class Trainer:
             str(self.device), self.tokens_per_step, self.grad_accum_steps, self.checkpointer.root, self.step,
         )  # fmt: skip
 
-    def _compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.config.training.mixed_precision == "bf16" else torch.float32
-
     def _autocast(self) -> contextlib.AbstractContextManager:
         # Under FSDP the MixedPrecisionPolicy casts parameters instead.
-        if self.config.training.mixed_precision == "bf16" and not self.fsdp:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.plan.compute_dtype != torch.float32 and not self.fsdp:
+            return torch.autocast(self.device.type, dtype=self.plan.compute_dtype)
         return contextlib.nullcontext()
 
     def _compute_context(self) -> contextlib.AbstractContextManager:

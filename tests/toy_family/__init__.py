@@ -10,7 +10,7 @@ from meshloom.models.registry import MODEL_REGISTRY, register_model
 from meshloom.models.spec import ModelSpec
 
 from tests.toy_family.model import ToyModel
-from tests.toy_family.parallelize import carve_stage, check_layout, parallelize_toy
+from tests.toy_family.parallelize import PARALLEL, check_layout
 
 FLAVORS = {"tiny": Llama3Args(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, max_seq_len=256)}
 
@@ -18,8 +18,7 @@ SPEC = ModelSpec(
     name="toy",
     model_cls=ToyModel,
     flavors=FLAVORS,
-    parallelize=parallelize_toy,
-    carve_stage=carve_stage,
+    parallel=PARALLEL,
     check_layout=check_layout,
     shape_model=Llama3Shape,
 )

@@ -5,9 +5,8 @@ from meshloom.models.deepseek_v3.flavors import DEEPSEEK_V3_FLAVORS
 from meshloom.models.deepseek_v3.hf import DeepSeekV3HFAdapter
 from meshloom.models.deepseek_v3.model import MTP_LOSS, DeepSeekV3
 from meshloom.models.deepseek_v3.parallelize import (
-    carve_stage,
+    PARALLEL,
     check_layout,
-    parallelize_deepseek_v3,
 )
 from meshloom.models.deepseek_v3.shape import DeepSeekV3Shape
 from meshloom.models.spec import ModelSpec
@@ -16,8 +15,7 @@ SPEC = ModelSpec(
     name="deepseek_v3",
     model_cls=DeepSeekV3,
     flavors=DEEPSEEK_V3_FLAVORS,
-    parallelize=parallelize_deepseek_v3,
-    carve_stage=carve_stage,
+    parallel=PARALLEL,
     check_layout=check_layout,
     shape_model=DeepSeekV3Shape,
     hf=DeepSeekV3HFAdapter(),

@@ -4,9 +4,8 @@ from meshloom.models.qwen3.flavors import QWEN3_FLAVORS
 from meshloom.models.qwen3.hf import ADAPTER
 from meshloom.models.qwen3.model import Qwen3, Qwen3Args
 from meshloom.models.qwen3.parallelize import (
-    carve_stage,
+    PARALLEL,
     check_layout,
-    parallelize_qwen3,
 )
 from meshloom.models.qwen3.shape import Qwen3Shape
 from meshloom.models.spec import ModelSpec
@@ -15,8 +14,7 @@ SPEC = ModelSpec(
     name="qwen3",
     model_cls=Qwen3,
     flavors=QWEN3_FLAVORS,
-    parallelize=parallelize_qwen3,
-    carve_stage=carve_stage,
+    parallel=PARALLEL,
     check_layout=check_layout,
     shape_model=Qwen3Shape,
     hf=ADAPTER,
