@@ -114,7 +114,7 @@ def step_cost(args: argparse.Namespace) -> None:
 
 
 def loss_worker(argv: list[str]) -> int:
-    from meshloom.train.main import main as train_main
+    from meshloom.cli.train import main as train_main
 
     register_no_mtp_flavour()
     return train_main(argv)
@@ -143,7 +143,7 @@ def loss_curves(args: argparse.Namespace) -> None:
         mtp = [r["mtp_loss"] for r in rows if "mtp_loss" in r]
         summary.append({"run": name, "seconds": round(seconds, 1), "loss": losses, "val_loss": vals,
                         "final_mtp_loss": mtp[-1] if mtp else None})  # fmt: skip
-    report = [sys.executable, "-m", "meshloom.tools.report", str(runs / "without_mtp"), str(runs / "with_mtp"),
+    report = [sys.executable, "-m", "meshloom.cli.report", str(runs / "without_mtp"), str(runs / "with_mtp"),
               "--out", str(out / "deepseek_mtp_loss.png")]  # fmt: skip
     subprocess.run(report, env=env, check=True)
     settings = {"steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "threads": args.threads}

@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 from meshloom.observe.metrics import local_tensor_bytes
-from meshloom.tools.parity import Layout
+from meshloom.testing.layout_parity import Layout
 
 LAYOUTS = [
     "",  # one process

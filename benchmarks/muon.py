@@ -77,7 +77,7 @@ def loss_curves(args: argparse.Namespace) -> None:
             summary.append({"optimizer": name, "lr": lr, "seconds": round(seconds, 1), "final_loss": losses[-1],
                             "best_loss": min(losses), "val_loss": vals[-1] if vals else None})  # fmt: skip
             print(json.dumps(summary[-1]), flush=True)
-    report = [sys.executable, "-m", "meshloom.tools.report", *sorted(str(p) for p in runs.iterdir()),
+    report = [sys.executable, "-m", "meshloom.cli.report", *sorted(str(p) for p in runs.iterdir()),
               "--out", str(out / "muon_loss.png")]  # fmt: skip
     subprocess.run(report, env=env, check=True)
     settings = {"steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "threads": args.threads,

@@ -13,7 +13,7 @@ from meshloom.parallel.activation_checkpoint import (
     checkpointed_block_ids,
     resolve_save_ops,
 )
-from meshloom.tools.parity import FP32_TOLERANCE, base_overrides, run_steps
+from meshloom.testing.layout_parity import FP32_TOLERANCE, base_overrides, run_steps
 from meshloom.train.trainer import Trainer
 
 EAGER_MODES = {

@@ -14,9 +14,9 @@ import pytest
 from hf_fixtures import llama_config, save_random_llama
 
 from meshloom.checkpoint import folders
-from meshloom.tools.checkpoint_commands import seed_checkpoint
+from meshloom.cli.checkpoint_commands import seed_checkpoint
 from meshloom.data.builtin_corpus import load_documents
-from meshloom.tools.resume_cases import Case, CaseResult, launch, run_case
+from meshloom.testing.resume_parity import Case, CaseResult, launch, run_case
 
 TOLERANCE = 1e-5
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]

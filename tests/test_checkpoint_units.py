@@ -21,7 +21,7 @@ from meshloom.checkpoint.dcp import Checkpointer
 from meshloom.checkpoint.reading import CorruptCheckpointError, load_state
 from meshloom.checkpoint.safe_read import UnsafeCheckpointError, read_metadata
 from meshloom.config.loader import ConfigError, load_config
-from meshloom.tools.resume_cases import Case, CaseResult, run_case
+from meshloom.testing.resume_parity import Case, CaseResult, run_case
 from meshloom.train.trainer import Trainer
 
 CHECKPOINT = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]

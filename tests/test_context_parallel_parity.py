@@ -1,4 +1,4 @@
-"""Loss parity of context-parallel layouts against one process (fp32: 1e-5; bf16: tools/parity.py's bound; 10 steps).
+"""Loss parity of context-parallel layouts against one process (fp32: 1e-5; bf16: testing/layout_parity.py's bound; 10 steps).
 
 CP alone (balanced and contiguous, 2 and 4 ranks), with FSDP (parameters sharded over dp_shard x cp), with HSDP,
 with TP, FSDP x TP x CP and PP x TP x CP on 8 ranks, and in bf16 alone and with PP x TP.
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from meshloom.tools.parity import BF16_TOLERANCE, FP32_TOLERANCE, compare
+from meshloom.testing.layout_parity import BF16_TOLERANCE, FP32_TOLERANCE, compare
 
 LAYOUTS = [
     "cp=2",

@@ -15,7 +15,7 @@ import torch
 
 from meshloom.config.loader import load_config
 from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16
-from meshloom.tools.parity import FP32_TOLERANCE, base_overrides, compare
+from meshloom.testing.layout_parity import FP32_TOLERANCE, base_overrides, compare
 from meshloom.train.trainer import Trainer
 
 pytestmark = pytest.mark.cuda

@@ -15,7 +15,7 @@ from meshloom.config.loader import load_config
 from meshloom.data import builtin_corpus
 from meshloom.data.build import build_data
 from meshloom.data.builtin_corpus import stdlib_corpus_dir
-from meshloom.data.prepare import main as prepare_main
+from meshloom.cli.prepare import main as prepare_main
 
 SAMPLE = "def f(x):\n    return {'a': x ** 2}  # café\n"
 
@@ -123,7 +123,7 @@ def test_prepare_of_user_files_never_notes_the_builtin_corpus(corpus_with_a_bad_
 
 def test_tokenizer_command_saves_the_builtin_tokenizer_for_data_tokenizer(tmp_path, capsys):
     from meshloom.cli import usage
-    from meshloom.tools.save_tokenizer import main as tokenizer_main
+    from meshloom.cli.save_tokenizer import main as tokenizer_main
 
     assert "tokenizer " in usage()
     settings = [*SETTINGS, "--data.cache_dir", str(tmp_path / "cache")]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from meshloom.config.loader import load_config
-from meshloom.tools.parity import Layout, base_overrides, launch, run_steps
+from meshloom.testing.layout_parity import Layout, base_overrides, launch, run_steps
 from meshloom.train.trainer import Trainer
 from shard_fixtures import document, load_tokenizer, prepared, tokenizer_json, write_jsonl
 

@@ -17,7 +17,7 @@ from meshloom.checkpoint.hf import HFFolder, write_hf_folder
 from meshloom.models.deepseek_v3 import hf as deepseek_hf
 from meshloom.models.deepseek_v3.model import DeepSeekV3
 from meshloom.models.registry import get_model_args, get_model_spec
-from meshloom.tools.checkpoint_commands import convert_main
+from meshloom.cli.checkpoint_commands import convert_main
 
 SPEC = get_model_spec("deepseek_v3")
 

@@ -25,7 +25,7 @@ from meshloom.planning.dry_run import dry_run
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.parity import FP32_TOLERANCE, compare
+from meshloom.testing.layout_parity import FP32_TOLERANCE, compare
 
 SPEC = get_model_spec("deepseek_v3")
 # Measured against the estimator (tests/test_plan.py measures llama3 the same way).

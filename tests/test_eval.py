@@ -38,7 +38,7 @@ from hf_fixtures import llama_config, save_random_llama  # noqa: E402 (the worke
 
 from meshloom.config.loader import load_config  # noqa: E402
 from meshloom.eval.runner import EvalOptions, evaluate  # noqa: E402
-from meshloom.tools.evaluate import main as eval_main  # noqa: E402
+from meshloom.cli.evaluate import main as eval_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_hf_folder_loss_and_bits_per_byte_match_transformers(workdir: Path, tmp_
 
 
 def test_run_folder_on_validation_split_and_prepared_shards(workdir: Path, tmp_path: Path) -> None:
-    from meshloom.data.prepare import main as prepare_main
+    from meshloom.cli.prepare import main as prepare_main
 
     run = workdir / "run"
     on_text = evaluate(run, EvalOptions([str(workdir / "docs")], progress=False))
@@ -147,7 +147,7 @@ def test_bad_arguments_are_clear_errors(workdir: Path, capsys, extra: list[str],
 
 
 def test_shards_of_another_tokenizer_are_refused(workdir: Path, tmp_path: Path) -> None:
-    from meshloom.data.prepare import main as prepare_main
+    from meshloom.cli.prepare import main as prepare_main
 
     prepare_main([str(workdir / "docs"), "--output", str(tmp_path / "shards"), "--data.tokenizer", str(workdir / "hf" / "tokenizer.json"), "--workers", "1"])
     with pytest.raises(ValueError, match=r"the shards were prepared with tokenizer hf-json:.* but the model's is builtin-bpe:"):

@@ -1,7 +1,7 @@
 """Expert parallel: every layout equals one process, checkpoints resume and reshard, the mesh and errors are right.
 
 All multi-rank training runs are fp32 Qwen3 `tiny_moe` (8 experts, top 2, 2 blocks) for 10 steps with bias
-balancing on (the default rate), batched into one torchrun launch per world size (tools/resume_cases.py, built on
+balancing on (the default rate), batched into one torchrun launch per world size (testing/resume_parity.py, built on
 the parity harness's settings). Each layout is compared with a 1-process reference to 1e-5. Compile and selective
 activation checkpointing are proven on a subset, folded into layouts that are otherwise covered, to keep the
 suite short: compile and selective AC together on CP 2 x EP 2 (which also runs without them), selective AC on
@@ -28,9 +28,9 @@ from meshloom.models.registry import get_model_spec
 from meshloom.parallel.apply import parallelize
 from meshloom.planning.dry_run import dry_run
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.checkpoint_commands import seed_checkpoint
-from meshloom.tools.parity import FP32_TOLERANCE
-from meshloom.tools.resume_cases import Case, CaseResult, launch, run_case
+from meshloom.cli.checkpoint_commands import seed_checkpoint
+from meshloom.testing.layout_parity import FP32_TOLERANCE
+from meshloom.testing.resume_parity import Case, CaseResult, launch, run_case
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "tiny_moe"]
@@ -222,7 +222,7 @@ def test_top_k_above_the_expert_count_is_refused() -> None:
 
 
 def test_dry_run_of_235b_a22b_with_ep_8_on_256_ranks(capsys) -> None:
-    from meshloom.train.main import main
+    from meshloom.cli.train import main
 
     argv = [
         "--config", str(REPO / "configs" / "qwen3_moe_debug.toml"), "--model.flavor", "235B-A22B", "--parallelism.ep", "8",

@@ -21,9 +21,9 @@ import pytest
 
 from meshloom.checkpoint import folders
 from meshloom.config.loader import ConfigError, load_config
-from meshloom.tools.analyze_hang import analyze, find_dump_folder
-from meshloom.tools.analyze_hang import main as analyze_main
-from meshloom.tools.parity import Layout, base_overrides
+from meshloom.cli.analyze_hang import analyze, find_dump_folder
+from meshloom.cli.analyze_hang import main as analyze_main
+from meshloom.testing.layout_parity import Layout, base_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]

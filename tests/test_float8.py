@@ -13,7 +13,7 @@ from meshloom.config.loader import ConfigError, load_config
 from meshloom.models.llama3.flavors import LLAMA3_FLAVORS
 from meshloom.models.llama3.model import Llama3Args, Transformer
 from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16, float8_targets
-from meshloom.tools.parity import base_overrides
+from meshloom.testing.layout_parity import base_overrides
 from meshloom.train.trainer import Trainer
 
 

@@ -15,7 +15,7 @@ import meshloom
 from meshloom.config.loader import load_config
 from meshloom.inference.generate import check_prompts, generate
 from meshloom.inference.sampling import SamplingSettings, next_tokens
-from meshloom.tools.generate import main as generate_main
+from meshloom.cli.generate import main as generate_main
 from meshloom.train.trainer import Trainer
 
 EOS = 2

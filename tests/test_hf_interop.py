@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import meshloom
 from meshloom.checkpoint import folders
-from meshloom.tools.checkpoint_commands import convert_main, export_main
+from meshloom.cli.checkpoint_commands import convert_main, export_main
 from meshloom.checkpoint.hf import HFFolder
 from meshloom.config.loader import ConfigError, load_config
 from meshloom.models.llama3 import hf as llama_hf

@@ -11,8 +11,8 @@ import pytest
 from meshloom.checkpoint import folders
 from meshloom.config.loader import load_config
 from meshloom.planning.dry_run import dry_run
-from meshloom.tools.parity import FP32_TOLERANCE, compare
-from meshloom.tools.resume_cases import Case, run_case
+from meshloom.testing.layout_parity import FP32_TOLERANCE, compare
+from meshloom.testing.resume_parity import Case, run_case
 
 PLUGIN = ["--model.plugin", "tests.toy_family", "--model.name", "toy"]
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]

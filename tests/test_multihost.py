@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshloom.config.loader import load_config
-from meshloom.tools.parity import Layout, base_overrides
+from meshloom.testing.layout_parity import Layout, base_overrides
 from meshloom.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

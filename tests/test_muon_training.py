@@ -30,8 +30,8 @@ from meshloom.planning.dry_run import _build_rank0, dry_run
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.parity import FP32_TOLERANCE, Curve, Layout, base_overrides, launch as launch_layouts, run_steps
-from meshloom.tools.resume_cases import Case, launch, run_case
+from meshloom.testing.layout_parity import FP32_TOLERANCE, Curve, Layout, base_overrides, launch as launch_layouts, run_steps
+from meshloom.testing.resume_parity import Case, launch, run_case
 from meshloom.train.muon import MuonAdamW, optimizer_state_elements, parameter_kinds
 from meshloom.train.qk_clip import QKClip
 from meshloom.train.trainer import Trainer

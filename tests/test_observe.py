@@ -1,4 +1,4 @@
-"""Tests for meshloom.observe (metrics, logging) and meshloom.tools.report."""
+"""Tests for meshloom.observe (metrics, logging) and meshloom.cli.report."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from meshloom.observe import metrics as M
 from meshloom.observe.logging import MetricLogger, format_metrics_line
-from meshloom.tools import report
+from meshloom.cli import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Loss parity of every supported layout against one process (fp32: 1e-5; bf16: the bound measured in tools/parity.py).
+"""Loss parity of every supported layout against one process (fp32: 1e-5; bf16: the bound measured in testing/layout_parity.py).
 
 All layouts run in three torchrun launches (2, 4 and 8 ranks), so the suite pays the start-up cost once per size.
 """
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from meshloom.tools.parity import BF16_TOLERANCE, FP32_TOLERANCE, compare, plot
+from meshloom.testing.layout_parity import BF16_TOLERANCE, FP32_TOLERANCE, compare, plot
 
 LAYOUTS = [
     "dp_shard=2",

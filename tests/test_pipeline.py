@@ -13,8 +13,8 @@ from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.parallel.apply import carve_stage
 from meshloom.parallel.pipeline import SCHEDULES
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.parity import BF16_TOLERANCE, FP32_TOLERANCE, compare
-from meshloom.tools.resume_cases import Case, launch, run_case
+from meshloom.testing.layout_parity import BF16_TOLERANCE, FP32_TOLERANCE, compare
+from meshloom.testing.resume_parity import Case, launch, run_case
 from meshloom.train.model_setup import build_model, build_pipeline_stages
 from meshloom.train.optim import OptimizerGroup
 

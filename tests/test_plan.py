@@ -13,7 +13,7 @@ from meshloom.planning.layout import Layout, Precision, layout_of
 from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.planner import Cluster, plan
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.plan import main as plan_main
+from meshloom.cli.plan import main as plan_main
 
 
 def _shape(flavor: str):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from meshloom.config.schema import DataConfig
-from meshloom.data.prepare import PrepareOptions, main, prepare
+from meshloom.cli.prepare import main
+from meshloom.data.prepare import PrepareOptions, prepare
 from meshloom.data.shard_format import ShardSet
 from shard_fixtures import document, load_tokenizer, tokenizer_json, write_jsonl
 

@@ -10,7 +10,7 @@ import torch
 from meshloom.config.loader import ConfigError, load_config
 from meshloom.config.schema import ProfilingConfig
 from meshloom.observe.profiler import StepProfiler
-from meshloom.tools.parity import base_overrides
+from meshloom.testing.layout_parity import base_overrides
 from meshloom.train.trainer import Trainer
 
 

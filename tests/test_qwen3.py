@@ -22,15 +22,15 @@ from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.parallel.apply import parallelize
 from meshloom.planning.dry_run import dry_run
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.checkpoint_commands import convert_main
-from meshloom.tools.parity import (
+from meshloom.cli.checkpoint_commands import convert_main
+from meshloom.testing.layout_parity import (
     FP32_TOLERANCE,
     Layout,
     base_overrides,
     launch,
     run_steps,
 )
-from meshloom.tools.resume_cases import Case, run_case
+from meshloom.testing.resume_parity import Case, run_case
 from meshloom.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")

@@ -17,8 +17,8 @@ import pytest
 from meshloom.checkpoint import folders
 from meshloom.checkpoint.interrupts import interrupts_deferred
 from meshloom.config.loader import ConfigError
-from meshloom.tools.checkpoint_commands import convert_main, export_main
-from meshloom.tools.resume_cases import Case, CaseResult, run_case
+from meshloom.cli.checkpoint_commands import convert_main, export_main
+from meshloom.testing.resume_parity import Case, CaseResult, run_case
 
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
 RESUME = SAVE + ["--checkpoint.resume", "true"]
@@ -211,7 +211,7 @@ def test_only_user_mistakes_are_one_line_errors(monkeypatch: pytest.MonkeyPatch,
     """`meshloom train` prints a UserError as one line and exits 2; any other ValueError is a bug and keeps its trace."""
     import meshloom.train.trainer as trainer_module
     from meshloom.config.errors import UserError
-    from meshloom.train.main import main
+    from meshloom.cli.train import main
 
     def failing(error: Exception) -> type:
         class Failing:

@@ -8,7 +8,7 @@ import torch
 
 import meshloom.data.build as data_build
 from meshloom.config import ConfigError, load_config
-from meshloom.train.main import main as train_main
+from meshloom.cli.train import main as train_main
 from meshloom.train.nonfinite import NonFiniteError
 from meshloom.train.trainer import Trainer
 

@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from meshloom.checkpoint.hf import DTYPES, write_hf_folder
-from meshloom.config.errors import ConfigError, UserError
 from meshloom.parallel.distributed import rank
 from meshloom.planning.run_plan import RunPlan
 
@@ -80,23 +79,6 @@ def tokenizer_files(data_tokenizer: str, tokenizer: Any) -> tuple[dict[str, byte
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False}
         return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=1).encode()}, "tokenizer.json"
     return {source.name: source.read_bytes()}, f"tiktoken file copied as {source.name} (not a transformers tokenizer.json)"
-
-
-def run_tokenizer_files(checkpoint: Path) -> tuple[dict[str, bytes], dict[str, int], str]:
-    """(tokenizer files, bos/eos ids for config.json, a note) for an offline export of a checkpoint: the tokenizer
-    its run config names when it can still be found, else no files and a note saying why."""
-    from meshloom.inference import loading  # noqa: PLC0415  (builds the tokenizer; only the offline export needs it)
-
-    source = loading.resolve(checkpoint)
-    config = loading.run_config(source)
-    if config is None:
-        return {}, {}, "no tokenizer written: the checkpoint has no run config.json naming one"
-    try:
-        tokenizer = loading.data_tokenizer(config.data, source.describe())
-    except UserError as err:
-        return {}, {}, f"no tokenizer written: {err}"
-    files, note = tokenizer_files(config.data.tokenizer, tokenizer)
-    return files, {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}, note
 
 
 class HFExporter:

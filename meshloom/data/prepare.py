@@ -14,12 +14,10 @@ a rerun with the same inputs and settings keeps the shards that are intact (thei
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
 import multiprocessing
-import os
 import sys
 import time
 from collections import deque
@@ -33,7 +31,6 @@ import numpy as np
 from tqdm import tqdm
 
 from meshloom.config.errors import UserError
-from meshloom.config.loader import load_config, split_config_args
 from meshloom.config.schema import DataConfig
 from meshloom.data.documents import BAD_INPUT_KINDS, BadInputPolicy, Record, Source, bad, empty_counts, expand_inputs
 from meshloom.data.encoding import encode_task, encode_texts, init_worker, token_dtype
@@ -322,42 +319,3 @@ def _meta(settings: dict[str, Any], counts: list[dict[str, Any]], entries: list[
 
 def _skipped_text(skipped: dict[str, int]) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in skipped.items() if n) or "none"
-
-
-# ---------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="meshloom prepare",
-        description="Tokenize .jsonl/.json/.parquet/.txt files, folders of them, `datasets` save_to_disk folders "
-        "or hf:NAME datasets into memory-mapped token shards.",
-        epilog="The tokenizer, text field and bad-input policy are the [data] settings of a run: pass "
-        "--config FILE (TOML or YAML) and --data.KEY VALUE overrides (data.tokenizer, data.vocab_size, data.text_field, "
-        "data.bad_input, ...) as for `meshloom train`, so the shards match the run that reads them.",
-    )
-    parser.add_argument("inputs", nargs="+", help="files, folders, save_to_disk folders or hf:NAME")
-    parser.add_argument("--output", "-o", type=Path, required=True, help="folder for the shards (new, empty, or a previous run's to resume)")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="most tokens in one shard (default %(default)s)")
-    parser.add_argument("--dtype", choices=["auto", *TOKEN_DTYPES], default="auto", help="token dtype; auto = uint16 when the vocabulary fits")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
-    parser.add_argument("--split", default="train", help="split of `datasets` inputs (default %(default)s)")
-    parser.add_argument("--stop-after", type=int, default=None, metavar="N", help="write at most N new shards, then stop; rerun to continue")
-    parser.add_argument("--verify", action="store_true", help="check finished shards' sha256 before resuming, not only their sizes")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    own, config_args = split_config_args(argv)
-    args = parser.parse_args(own)
-    try:
-        from meshloom.data.build import run_tokenizer
-
-        data = load_config(config_args).data
-        tokenizer = run_tokenizer(data)
-        options = PrepareOptions(
-            args.inputs, args.output, args.shard_tokens, args.dtype, args.workers, args.split, args.stop_after, args.verify, not args.no_progress
-        )
-        prepare(options, data, tokenizer)
-    except UserError as err:
-        print(f"meshloom prepare: error: {err}", file=sys.stderr)
-        return 2
-    return 0

@@ -11,7 +11,7 @@ the surviving ranks when one fails. On that signal, or on a fatal exception such
 - `stack` / `threads`: where the rank is now (the exception's traceback, or the interrupted frame),
 - `reason`, `steps_completed`, host, pid and restart attempt.
 
-`meshloom analyze-hang` reads them; see meshloom/tools/analyze_hang.py.
+`meshloom analyze-hang` reads them; see meshloom/cli/analyze_hang.py.
 """
 
 from __future__ import annotations

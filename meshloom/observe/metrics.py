@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from meshloom.config.errors import UserError
+from meshloom.tensors import local_tensor
 
 # Name of the config setting that overrides the peak, quoted in messages so users know what to set.
 PEAK_OVERRIDE_SETTING = "metrics.peak_tflops"
@@ -255,7 +256,7 @@ def local_tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank holds for `tensors`: only the local shard of a DTensor counts."""
     total = 0
     for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local_tensor(tensor)
         total += local.numel() * local.element_size()
     return total
 

@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config, PipelineConfig
 from meshloom.parallel.dims import ParallelDims
+from meshloom.tensors import local_tensor
 
 
 @dataclass(frozen=True)
@@ -298,15 +299,11 @@ class SharedStageParameters:
             self._entries.append((local, shared_group, global_ranks[held[0][1]]))
             self._copies |= {id(own[stage][name]) for stage, _ in held[1:] if stage in own}
 
-    @staticmethod
-    def _local(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
     @torch.no_grad()
     def sync_values(self) -> None:
         """Make every copy equal to the first stage's (one broadcast per shared parameter and group)."""
         for params, group, source in self._entries:
-            values = [self._local(p) for p in params]
+            values = [local_tensor(p) for p in params]
             if group is not None:  # the source rank's first local copy is the first stage's
                 dist.broadcast(values[0], src=source, group=group)
             for value in values[1:]:
@@ -319,13 +316,13 @@ class SharedStageParameters:
             for param in params:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-            total = self._local(params[0].grad).clone()
+            total = local_tensor(params[0].grad).clone()
             for param in params[1:]:
-                total += self._local(param.grad)
+                total += local_tensor(param.grad)
             if group is not None:
                 dist.all_reduce(total, group=group)
             for param in params:
-                self._local(param.grad).copy_(total)
+                local_tensor(param.grad).copy_(total)
 
     def is_copy(self, param: nn.Parameter) -> bool:
         """Whether `param` repeats a parameter an earlier stage holds (its gradient is counted there)."""

@@ -22,6 +22,7 @@ from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flo
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import GIB, MemoryEstimate, estimate_memory
 from meshloom.planning.run_plan import RunPlan
+from meshloom.tensors import local_tensor
 
 
 @dataclass
@@ -58,7 +59,7 @@ class DryRunReport:
 def _local_bytes(model: torch.nn.Module) -> int:
     total = 0
     for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
+        local = local_tensor(param)
         total += local.numel() * 4  # fp32 master weights
     return total
 

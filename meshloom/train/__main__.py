@@ -1,5 +1,5 @@
 import sys
 
-from meshloom.train.main import main
+from meshloom.cli.train import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from meshloom.parallel.tensor import local_value
+from meshloom.tensors import local_tensor
 
 MAIN_LOSS = "loss"
 
@@ -43,6 +43,6 @@ class TrainingLoss:
         total = main
         for name, value in zip(self.aux_weights, aux):
             total = total + self.aux_weights[name] * value
-        values = [local_value(v.detach()).float() for v in (main, *aux)]
+        values = [local_tensor(v.detach()).float() for v in (main, *aux)]
         values += [torch.zeros_like(values[0])] * (len(self.names) - len(values))  # eval mode: logits only
         return total, torch.stack(values)

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from meshloom.tensors import local_tensor
+
 # A block of a matrix: ((row offset, column offset), (rows, columns)).
 Box = tuple[tuple[int, int], tuple[int, int]]
 Orthogonalize = Callable[[int, Tensor], Tensor]  # (entry index, full matrix in the NS dtype) -> orthogonalised matrix
@@ -59,10 +61,6 @@ class Matrix:
     entry: int
     expert: int | None
     owner: int  # worker index in the work group: replica * S + member
-
-
-def local_tensor(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def mesh_roles(param: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -36,8 +36,9 @@ from meshloom.parallel.distributed import (
 )
 from meshloom.parallel.float8 import sync_float8_scales
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
-from meshloom.parallel.tensor import local_value, loss_parallel_context
+from meshloom.parallel.tensor import loss_parallel_context
 from meshloom.planning.run_plan import RunPlan
+from meshloom.tensors import local_tensor
 from meshloom.train.fault import resume_after_restart
 from meshloom.train.fault_injection import FaultInjector
 from meshloom.train.loss import TrainingLoss, cross_entropy_loss
@@ -277,7 +278,7 @@ class Trainer:
             else:
                 with loss_parallel_context(self.loss_parallel):
                     loss, _ = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
-            loss = local_value(loss)
+            loss = local_tensor(loss)
             if self.dims.is_distributed:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
             losses.append(float(loss))

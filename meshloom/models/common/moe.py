@@ -37,11 +37,11 @@ from meshloom.models.common.router import (
     Routing,
     TokenChoiceRouter,
     expert_counts,
-    local_tensor,
     router_z_loss,
     routing_entropy_sum,
     sequence_balance_loss,
 )
+from meshloom.tensors import local_tensor
 
 GROUPED_MM_MODES = ("auto", "on", "off")
 # Order of the per-layer routing statistics (float64 sums since the last optimizer step).

@@ -18,14 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshloom.tensors import local_tensor
+
 SCORE_FUNCS = ("softmax", "sigmoid")
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own copy of a parameter that tensor parallel replicates as a DTensor (the router and the routed
-    experts see whole tokens, so every rank holds and computes whole copies; the gradient of the local copy is the
-    whole gradient). Plain tensors pass through. Duck-typed, so models need not import torch.distributed."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class Routing(NamedTuple):

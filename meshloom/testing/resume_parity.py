@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshloom.tools.parity import Layout, base_overrides, torchrun
+from meshloom.testing.layout_parity import Layout, base_overrides, torchrun
 
 
 class _Stop(Exception):
@@ -146,7 +146,7 @@ def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:
         cases_file = workdir / f"resume_cases_{world_size}.json"
         out_file = workdir / f"resume_results_{world_size}.json"
         cases_file.write_text(json.dumps([asdict(c) for c in group]))
-        torchrun("meshloom.tools.resume_cases", world_size, ["--worker", str(cases_file), str(out_file), str(workdir)])
+        torchrun("meshloom.testing.resume_parity", world_size, ["--worker", str(cases_file), str(out_file), str(workdir)])
         results.update({name: CaseResult(**data) for name, data in json.loads(out_file.read_text()).items()})
     return results
 
@@ -165,5 +165,5 @@ def worker(cases_file: Path, out_file: Path, workdir: Path) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--worker"]:
-        sys.exit("usage: python -m meshloom.tools.resume_cases --worker CASES.json OUT.json WORKDIR")
+        sys.exit("usage: python -m meshloom.testing.resume_parity --worker CASES.json OUT.json WORKDIR")
     worker(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))

@@ -8,26 +8,26 @@ import sys
 # command -> ("module:function" taking argv and returning an exit code, help). Imported on use, so
 # `meshloom --help` and a typo answer without importing torch.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("meshloom.train.main:main", "train a model from a TOML or YAML recipe plus --section.field overrides"),
-    "prepare": ("meshloom.data.prepare:main", "tokenize text files or `datasets` data into memory-mapped token shards"),
+    "train": ("meshloom.cli.train:main", "train a model from a TOML or YAML recipe plus --section.field overrides"),
+    "prepare": ("meshloom.cli.prepare:main", "tokenize text files or `datasets` data into memory-mapped token shards"),
     "tokenizer": (
-        "meshloom.tools.save_tokenizer:main",
+        "meshloom.cli.save_tokenizer:main",
         "save the built-in tokenizer of a run's [data] settings as a tokenizer.json for data.tokenizer",
     ),
-    "report": ("meshloom.tools.report:main", "plot the loss curves of one or more run folders to a PNG"),
-    "parity": ("meshloom.tools.parity:main", "compare parallel layouts' losses with a 1-process reference"),
-    "plan": ("meshloom.tools.plan:main", "rank the layouts of a GPU cluster by estimated step time; write the best as TOML"),
+    "report": ("meshloom.cli.report:main", "plot the loss curves of one or more run folders to a PNG"),
+    "parity": ("meshloom.cli.parity:main", "compare parallel layouts' losses with a 1-process reference"),
+    "plan": ("meshloom.cli.plan:main", "rank the layouts of a GPU cluster by estimated step time; write the best as TOML"),
     "seed-checkpoint": (
-        "meshloom.tools.checkpoint_commands:seed_checkpoint_main",
+        "meshloom.cli.checkpoint_commands:seed_checkpoint_main",
         "write a run's initial weights from one process (step-0 checkpoint)",
     ),
-    "convert": ("meshloom.tools.checkpoint_commands:convert_main", "Hugging Face folder <-> meshloom checkpoint"),
-    "export": ("meshloom.tools.checkpoint_commands:export_main", "a checkpoint's weights as one safetensors file (bf16) for inference"),
-    "generate": ("meshloom.tools.generate:main", "continue prompts with a run, checkpoint or Hugging Face model (KV cache)"),
-    "eval": ("meshloom.tools.evaluate:main", "loss, perplexity and bits per byte on held-out text (any training layout)"),
+    "convert": ("meshloom.cli.checkpoint_commands:convert_main", "Hugging Face folder <-> meshloom checkpoint"),
+    "export": ("meshloom.cli.checkpoint_commands:export_main", "a checkpoint's weights as one safetensors file (bf16) for inference"),
+    "generate": ("meshloom.cli.generate:main", "continue prompts with a run, checkpoint or Hugging Face model (KV cache)"),
+    "eval": ("meshloom.cli.evaluate:main", "loss, perplexity and bits per byte on held-out text (any training layout)"),
     "lm-eval": ("meshloom.integrations.lm_eval_tasks:main", "run lm-evaluation-harness with --model meshloom (needs meshloom[eval])"),
     "analyze-hang": (
-        "meshloom.tools.analyze_hang:main",
+        "meshloom.cli.analyze_hang:main",
         "read a failed run's Flight Recorder dumps: the diverged collective and the missing rank",
     ),
 }

@@ -22,14 +22,30 @@ from meshloom.checkpoint.hf import (
     parse_size,
     write_hf_folder,
 )
-from meshloom.checkpoint.hf_export import run_tokenizer_files
+from meshloom.checkpoint.hf_export import tokenizer_files
 from meshloom.checkpoint.output import staged_file, staged_folder
 from meshloom.checkpoint.safe_read import METADATA_FILE
 from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config
+from meshloom.inference import loading
 from meshloom.parallel.distributed import world_size_from_env
 from meshloom.planning.run_plan import RunPlan
 from meshloom.train.model_setup import build_model
+
+
+def run_tokenizer_files(checkpoint: Path) -> tuple[dict[str, bytes], dict[str, int], str]:
+    """(tokenizer files, bos/eos ids for config.json, a note) for an offline export of a checkpoint: the tokenizer
+    its run config names when it can still be found, else no files and a note saying why."""
+    source = loading.resolve(checkpoint)
+    config = loading.run_config(source)
+    if config is None:
+        return {}, {}, "no tokenizer written: the checkpoint has no run config.json naming one"
+    try:
+        tokenizer = loading.data_tokenizer(config.data, source.describe())
+    except UserError as err:
+        return {}, {}, f"no tokenizer written: {err}"
+    files, note = tokenizer_files(config.data.tokenizer, tokenizer)
+    return files, {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}, note
 
 
 def _fail(message: str) -> int:

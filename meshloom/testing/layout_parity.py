@@ -16,7 +16,6 @@ meshloom/parallel/float8.py) on top of the bf16 bound.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -167,7 +166,7 @@ def launch(layouts: list[Layout], steps: int, workdir: Path, common: list[str] |
         cases_file = workdir / f"cases_{world_size}.json"
         out_file = workdir / f"curves_{world_size}.json"
         cases_file.write_text(json.dumps(cases))
-        torchrun("meshloom.tools.parity", world_size, ["--worker", str(cases_file), str(out_file)])
+        torchrun("meshloom.testing.layout_parity", world_size, ["--worker", str(cases_file), str(out_file)])
         for spec, data in json.loads(out_file.read_text()).items():
             curves[spec] = Curve(**data)
     return curves
@@ -241,29 +240,7 @@ def plot(reference: Curve, comparisons: list[Comparison], out: Path) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        worker(Path(argv[1]), Path(argv[2]))
-        return 0
-    parser = argparse.ArgumentParser(prog="meshloom parity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layout", action="append", required=True, help="e.g. dp_shard=2,tp=2 (repeatable)")
-    parser.add_argument("--common", default="", help="settings for the reference and every layout, e.g. model.n_layers=4")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
-    args = parser.parse_args(argv)
-    reference, comparisons = compare(args.layout, args.steps, args.workdir, args.common)
-    print(f"{'layout':<40} {'ranks':>5} {'max |dloss|':>12} {'|dgrad_norm|':>13} {'tolerance':>10}  result")
-    for c in comparisons:
-        print(
-            f"{c.layout.spec:<40} {c.layout.world_size:>5} {c.max_loss_diff:>12.2e} {c.grad_norm_diff:>13.2e} "
-            f"{c.layout.tolerance:>10.0e}  {'ok' if c.ok else 'MISMATCH'}"
-        )
-    if args.plot:
-        print(f"plot: {plot(reference, comparisons, args.plot)}")
-    return 0 if all(c.ok for c in comparisons) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a torchrun worker of `compare`
+    if sys.argv[1:2] != ["--worker"]:
+        sys.exit("usage: python -m meshloom.testing.layout_parity --worker CASES.json OUT.json")
+    worker(Path(sys.argv[2]), Path(sys.argv[3]))

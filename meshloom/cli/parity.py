@@ -1,0 +1,30 @@
+"""`meshloom parity`: compare parallel layouts' losses with a 1-process reference (meshloom/testing/layout_parity.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from meshloom.testing import layout_parity
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="meshloom parity", description=layout_parity.__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", action="append", required=True, help="e.g. dp_shard=2,tp=2 (repeatable)")
+    parser.add_argument("--common", default="", help="settings for the reference and every layout, e.g. model.n_layers=4")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
+    args = parser.parse_args(argv)
+    reference, comparisons = layout_parity.compare(args.layout, args.steps, args.workdir, args.common)
+    print(f"{'layout':<40} {'ranks':>5} {'max |dloss|':>12} {'|dgrad_norm|':>13} {'tolerance':>10}  result")
+    for c in comparisons:
+        print(
+            f"{c.layout.spec:<40} {c.layout.world_size:>5} {c.max_loss_diff:>12.2e} {c.grad_norm_diff:>13.2e} "
+            f"{c.layout.tolerance:>10.0e}  {'ok' if c.ok else 'MISMATCH'}"
+        )
+    if args.plot:
+        print(f"plot: {layout_parity.plot(reference, comparisons, args.plot)}")
+    return 0 if all(c.ok for c in comparisons) else 1
