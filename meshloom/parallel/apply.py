@@ -43,15 +43,17 @@ def _default_blocks(model: nn.Module) -> Mapping[str, nn.Module]:
 
 @dataclass(frozen=True)
 class ParallelParts:
-    """What a model family tells the driver about its modules. Only `block_tp_plan` has no default."""
+    """What a model family tells the driver about its modules: its block TP plan and root module names, and where it
+    differs from a dense decoder, its MoE layers and extra modules."""
 
     # (block, replicate_experts) -> the block's TP plan. replicate_experts is False under expert parallel, which then
     # places the routed experts on its own mesh (see parallel/moe_tensor.py).
     block_tp_plan: Callable[[nn.Module, bool], BlockPlan]
-    # Attribute names of the root modules that the first and last stage keep; a stage without one holds None there.
-    embedding: str = "tok_embeddings"
-    final_norm: str = "norm"
-    output: str = "output"
+    # Attribute names of the root modules: the embedding (first stage), the final norm and output head (last stage);
+    # a pipeline stage without one holds None there.
+    embedding: str
+    final_norm: str
+    output: str
     # The model's (or stage's) transformer blocks by global block index: what TP, CP, AC, compile and FSDP wrap.
     blocks: Callable[[nn.Module], Mapping[str, nn.Module]] = _default_blocks
     # A block's attention module, whose `core` (the attention kernel) context parallel swaps for ring attention.

@@ -158,6 +158,9 @@ def install_sequence_shift(model: DeepSeekV3, cp_group: dist.ProcessGroup, layou
 
 PARALLEL = ParallelParts(
     block_tp_plan=block_tp_plan,
+    embedding="tok_embeddings",
+    final_norm="norm",
+    output="output",
     blocks=_blocks,
     root_tp_plan=mtp_tp_plan,
     moe_layers=lambda model: list(moe_layers(model).values()),

@@ -25,4 +25,4 @@ def block_tp_plan(block: nn.Module, replicate_experts: bool) -> BlockPlan:
     return [{**attention_plan(), **dense_mlp_plan()}]
 
 
-PARALLEL = ParallelParts(block_tp_plan=block_tp_plan)
+PARALLEL = ParallelParts(block_tp_plan=block_tp_plan, embedding="tok_embeddings", final_norm="norm", output="output")

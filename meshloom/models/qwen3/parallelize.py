@@ -61,4 +61,6 @@ def moe_layers(model: Qwen3) -> list[nn.Module]:
     return [block.moe for block in model.layers.values() if block.is_moe]
 
 
-PARALLEL = ParallelParts(block_tp_plan=block_tp_plan, moe_layers=moe_layers)
+PARALLEL = ParallelParts(
+    block_tp_plan=block_tp_plan, embedding="tok_embeddings", final_norm="norm", output="output", moe_layers=moe_layers
+)
