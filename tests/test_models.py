@@ -291,7 +291,7 @@ def test_models_package_does_not_import_torch_distributed() -> None:
     files = sorted(MODELS_DIR.rglob("*.py"))
     assert any(f.name == "model.py" for f in files)
     for path in files:
-        if path.name == "parallelize.py":
+        if path.name in ("parallelize.py", "tensor_plans.py"):  # a family's parallel plans, not model code
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
