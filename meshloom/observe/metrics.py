@@ -12,7 +12,6 @@ from collections.abc import Iterable
 import json
 import math
 import os
-import platform
 import re
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from meshloom.config.errors import UserError
+from meshloom.observe.cpu import cpu_model
 from meshloom.tensors import local_tensor
 
 # Name of the config setting that overrides the peak, quoted in messages so users know what to set.
@@ -151,19 +151,9 @@ def cpu_peak_cache_file() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshloom" / CPU_PEAK_FILE
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
-
-
 def cpu_peak_key(dtype: torch.dtype) -> str:
     """One cached figure per CPU model, thread count, torch version and dtype."""
-    return f"{_cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
 
 
 def _machine_is_busy() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshloom.config.schema import Config
+from meshloom.observe.cpu import cpu_has_native_bf16
 from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
 
 
@@ -22,6 +23,16 @@ def _data_source(config: Config) -> str:
     if d.dataset == "streaming":
         return f"stream {d.stream}"
     return f"text files under {d.path}" if d.path else "the built-in corpus (this interpreter's standard library)"
+
+
+def bf16_cpu_warning(mixed_precision: str, device: str) -> str | None:
+    """A note when bf16 is chosen on a CPU that emulates bf16 matmuls (no avx512_bf16 / amx_bf16), else None."""
+    if mixed_precision != "bf16" or not device.startswith("cpu") or cpu_has_native_bf16() is not False:
+        return None
+    return (
+        "this CPU has no native bf16 matmul (no avx512_bf16 / amx_bf16 flag), so bf16 matmuls run several times "
+        'slower than fp32 here; set training.mixed_precision = "fp32"'
+    )
 
 
 def startup_summary(
@@ -55,6 +66,8 @@ def startup_summary(
         f"  steps          {start_step} -> {t.steps}",
         f"  checkpoints    {checkpoints}",
     ]
+    if (warning := bf16_cpu_warning(t.mixed_precision, device)) is not None:
+        lines.append(f"  note           {warning}")
     if config.job.description:
         lines.insert(1, f"  description    {config.job.description}")
     return "\n".join(lines)
