@@ -14,6 +14,7 @@ import torch
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
+from meshloom.data.stages import check_mixture_settings
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
@@ -59,6 +60,7 @@ class RunPlan:
         check_activation_checkpoint_config(config.activation_checkpoint, config.compile.enable)
         check_profiling_config(config.profiling)
         check_qk_clip_config(config, spec, dims)
+        check_mixture_settings(config.data, tc.local_batch_size * grad_accum_steps * dims.dp, tc.seq_len)
         if device is not None:
             check_compile_config(config.compile, device, dims.tp)
             if config.float8.enable:
