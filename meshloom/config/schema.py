@@ -188,7 +188,12 @@ class DataConfig:
     """Attention stays inside each packed document (block-diagonal causal mask)."""
 
     stream: str = ""
-    """dataset=streaming: a .jsonl/.json/.parquet/.txt file, folder or glob read with `datasets` streaming, or hf:NAME."""
+    """dataset=streaming: a .jsonl/.json/.parquet/.arrow/.txt file, folder or glob read with `datasets` streaming, or
+    hf:NAME."""
+
+    stream_workers: int = 0
+    """dataset=streaming: threads that tokenize the stream ahead of training (a reader thread keeps them fed, in
+    order); 0 = read and tokenize in the training loop when a batch is needed."""
 
     text_field: str = "text"
     """Field holding a document's text in .jsonl/.parquet/`datasets` records (prepare and streaming)."""

@@ -143,7 +143,7 @@ def build_data(
         return StreamingLoader(
             config.stream, tokenizer, seq_len, local_batch_size, dp_rank, dp_size,
             text_field=config.text_field, validation_fraction=config.validation_fraction, validation=validation,
-            bad_input=config.bad_input, document_mask=config.document_mask,
+            bad_input=config.bad_input, document_mask=config.document_mask, workers=config.stream_workers,
         )
 
     use_validation = with_validation and config.validation_fraction > 0

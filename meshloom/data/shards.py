@@ -128,7 +128,7 @@ class ShardSource:
         self.stored = PackedDocuments(shards, documents, seq_len)
         self.num_samples = self.stored.num_samples
         self._epochs: dict[int, Any] = {}
-        self._documents: dict[tuple[int, int], int] = {}
+        self._documents: dict[int, int] = {}
 
     def _rng(self, epoch: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, self.index, epoch])
@@ -165,11 +165,14 @@ class ShardSource:
     def _documents_in(self, epoch: int, windows: int) -> int:
         """Documents beginning in the first `windows` windows of that epoch's order."""
         if self.sampling == "document" and self.shuffle:
-            key = (epoch, windows)
-            if key not in self._documents:
+            whole = windows == self.num_samples
+            if not whole or epoch not in self._documents:
                 packed = self._epoch(epoch)
-                self._documents[key] = int(np.searchsorted(packed.ends - packed.lengths, windows * self.seq_len))
-            return self._documents[key]
+                count = int(np.searchsorted(packed.ends - packed.lengths, windows * self.seq_len))
+                if not whole:
+                    return count
+                self._documents[epoch] = count  # finished epochs are summed at every call: keep their totals
+            return self._documents[epoch]
         starts = self.stored.ends - self.stored.lengths
         per_window = np.bincount(starts[starts < self.num_samples * self.seq_len] // self.seq_len, minlength=self.num_samples)
         if self.sampling == "chunk" and self.shuffle:
