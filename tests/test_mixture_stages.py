@@ -88,8 +88,8 @@ def _global_batch(ranks) -> list[bytes]:
 
 @pytest.mark.parametrize("on_exhausted", ["repeat", "drop"])
 def test_resume_in_a_transition_under_another_degree_is_exact(folders, on_exhausted):
-    # Steps of 6 samples: the transition runs from step 50 (sample 300) over 150 steps (900 samples); code may
-    # serve 3 epochs, which it reaches inside the transition.
+    # Steps of 6 samples: the transition runs from step 50 (sample 300) over 150 steps (900 samples, four ramp
+    # blocks); code may serve 3 epochs of its few samples, so it runs out (repeats or leaves) within the run.
     stages = [{"start_step": 50, "weights": {"web": 1, "code": 2, "math": 2}, "transition": "linear", "transition_steps": 150}]
     config = _config(folders, stages, max_epochs={"code": 3}, on_exhausted=on_exhausted)
     (reference,) = _loaders(folders, config, dp=1, local=1, samples_per_step=6)
@@ -109,6 +109,7 @@ def test_resume_in_a_transition_under_another_degree_is_exact(folders, on_exhaus
     while len(seen) + 8 <= total:
         seen += _global_batch(resumed)
     assert seen == stream[: len(seen)] and len(seen) == 1_400
+    assert reference.schedule.exhausted and reference.schedule.exhausted[0][0] < 1_400  # code did run out
 
 
 @pytest.mark.parametrize("on_exhausted", ["repeat", "drop"])

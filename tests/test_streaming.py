@@ -129,6 +129,7 @@ def _write_formats(root, texts: list[str]) -> dict[str, str]:
     return {kind: str(root / kind) for kind in ("jsonl", "parquet", "arrow")}
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a reader thread must end quietly
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow"])
 def test_formats_and_prefetch_workers_give_the_same_batches_and_resume_exactly(tmp_path, kind):
     spec = _write_formats(tmp_path, TEXTS)[kind]

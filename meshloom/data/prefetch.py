@@ -49,12 +49,16 @@ class Prefetcher:
         chunk: list[Any] = []
         try:
             for item in items:
+                if self._stop.is_set():  # closed: the pool takes no more work
+                    return
                 chunk.append(item)
                 if len(chunk) == CHUNK_DOCUMENTS:
                     if not self._put(("chunk", chunk, self._submit(chunk))):
                         return
                     chunk = []
         except BaseException as err:  # handed to the consumer, which raises it in its own thread
+            if self._stop.is_set():
+                return
             if chunk:
                 self._put(("chunk", chunk, self._submit(chunk)))
             self._put(("error", err, None))
@@ -70,6 +74,6 @@ class Prefetcher:
         return self._ready.popleft()
 
     def close(self) -> None:
-        """Stop reading ahead (the reader stops at its next hand-over)."""
+        """Stop reading ahead: the reader stops at its next document, and work not started is dropped."""
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
