@@ -110,3 +110,52 @@ def test_ranks_read_disjoint_parts_and_validation_is_held_out(stream):
     training = loader(stream, local=4, validation_fraction=0.3)
     seen = {t for row in rows(training.next_batch() for _ in range(2)) for t in row if t > 1}
     assert not seen & {int(t.split()[0]) for t in held}
+
+
+def _write_formats(root, texts: list[str]) -> dict[str, str]:
+    """The same documents as json lines, Parquet and Arrow (IPC stream) files, two files each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    halves = [texts[: len(texts) // 2], texts[len(texts) // 2:]]
+    for i, half in enumerate(halves):
+        write_jsonl(root / "jsonl" / f"p{i}.jsonl", half)
+        table = pa.table({"text": half})
+        (root / "parquet").mkdir(exist_ok=True)
+        pq.write_table(table, root / "parquet" / f"p{i}.parquet")
+        (root / "arrow").mkdir(exist_ok=True)
+        with pa.OSFile(str(root / "arrow" / f"p{i}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    return {kind: str(root / kind) for kind in ("jsonl", "parquet", "arrow")}
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a reader thread must end quietly
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow"])
+def test_formats_and_prefetch_workers_give_the_same_batches_and_resume_exactly(tmp_path, kind):
+    spec = _write_formats(tmp_path, TEXTS)[kind]
+    expected = packed(TEXTS)
+
+    def make(workers: int) -> StreamingLoader:
+        return StreamingLoader(spec, Numbered(), SEQ, 3, 0, 1, workers=workers, document_mask=True)
+
+    plain, prefetched = make(0), make(2)
+    for _ in range(4):
+        a, b = plain.next_batch(), prefetched.next_batch()
+        assert a.inputs.tolist() == b.inputs.tolist() and a.document_ids.tolist() == b.document_ids.tolist()
+    assert rows([a])[0] == expected[9 * SEQ:10 * SEQ].tolist()
+    state = prefetched.state_dict()
+    assert state == plain.state_dict() and state["offset"] > 0  # mid-document although the reader ran ahead
+    later = [plain.next_batch() for _ in range(15)]  # into the next epoch
+    for workers in (0, 3):  # a state resumes at the same document and token with or without workers
+        resumed = make(workers)
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        assert rows(resumed.next_batch() for _ in range(15)) == rows(later)
+
+
+def test_prefetch_hands_a_bad_record_over_where_it_was_read(stream):
+    strict = loader(stream, local=4, bad_input="error", workers=2)
+    batches = [strict.next_batch() for _ in range(2)]  # the documents before the bad record still arrive
+    assert rows(batches)[0] == packed(TEXTS)[:SEQ].tolist()
+    with pytest.raises(ValueError, match=r"record 10 of rank 0's part, epoch 0: holds undecodable bytes"):
+        for _ in range(20):
+            strict.next_batch()

@@ -79,6 +79,16 @@ def describe_event(event: dict) -> str:
     return f"step {event['step']}: {event['event']}{where}{attempt}"
 
 
+def load_mixture(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """Source name -> (steps, share) from the `data/NAME/share` metrics of a mixed-shards run ({} otherwise)."""
+    names = []
+    for _, record in _records(Path(run_dir) / METRICS_FILE):
+        for key in record:
+            if key.startswith("data/") and key.endswith("/share") and key[5:-6] not in names:
+                names.append(key[5:-6])
+    return {name: load_curve(run_dir, f"data/{name}/share") for name in names}
+
+
 def _labels(run_dirs: list[Path]) -> list[str]:
     """Run folder names, falling back to full paths when two runs share a name."""
     names = [p.resolve().name for p in run_dirs]
@@ -89,7 +99,7 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 def write_report(run_dirs: list[Path], out: Path | None) -> Path:
     """Write a loss-vs-step PNG (one curve per run, validation loss dashed if logged, resumes and restarts as
-    dotted vertical lines).
+    dotted vertical lines), with the data mixture over the steps beside it when the runs logged one.
 
     Default output: RUN_DIR/loss.png for one run, or loss_comparison.png next to the first run
     directory when comparing several.
@@ -104,14 +114,17 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
         if not steps:
             raise UserError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
         curves.append(((steps, losses), load_curve(run_dir, "val_loss"), load_events(run_dir)))
+    mixtures = [load_mixture(run_dir) for run_dir in run_dirs]
 
     if out is None:
         out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    fig = Figure(figsize=(8, 5), dpi=100)
-    ax = fig.add_subplot()
+    # A run that mixes shard sources gets a second panel: each source's share of the samples over the steps.
+    with_mixture = any(mixtures)
+    fig = Figure(figsize=(14 if with_mixture else 8, 5), dpi=100)
+    ax = fig.add_subplot(1, 2, 1) if with_mixture else fig.add_subplot()
     for label, ((steps, losses), (val_steps, val_losses), events) in zip(_labels(run_dirs), curves):
         (line,) = ax.plot(steps, losses, label=label, linewidth=1.2)
         if val_steps:
@@ -126,6 +139,17 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
     ax.set_title("training loss")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    if with_mixture:
+        mix_ax = fig.add_subplot(1, 2, 2, sharex=ax)
+        for label, mixture in zip(_labels(run_dirs), mixtures):
+            for name, (steps, shares) in mixture.items():
+                mix_ax.plot(steps, shares, label=f"{label}: {name}" if len(run_dirs) > 1 else name, linewidth=1.2)
+        mix_ax.set_xlabel("step")
+        mix_ax.set_ylabel("share of samples")
+        mix_ax.set_ylim(0, 1)
+        mix_ax.set_title("data mixture")
+        mix_ax.grid(True, alpha=0.3)
+        mix_ax.legend()
     fig.tight_layout()
     fig.savefig(out, format="png")
     return out

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import math
 import sys
 import typing
@@ -61,11 +62,17 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+    if typing.get_origin(tp) is list:
+        return "list-of-tables"
+    if typing.get_origin(tp) is dict:
+        return "table"
     return getattr(tp, "__name__", str(tp))
 
 
 def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     """Check (TOML) or parse (CLI strings) one value against its declared type."""
+    if typing.get_origin(tp) in (list, dict):
+        return _coerce_container(key, value, tp, from_cli)
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -93,6 +100,30 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
             f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}); write e.g. {key.split('.')[-1]} = {_example(tp)}"
         )
     return _finite(key, value) if tp is float else value
+
+
+def _coerce_container(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
+    """A list of tables or a table (e.g. data.stages, data.max_epochs); on the command line as JSON."""
+    origin = typing.get_origin(tp)
+    example = '[{"start_step": 100, "weights": {"web": 1}}]' if origin is list else '{"code": 2}'
+    if from_cli and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            try:  # what str() of a saved setting gives (eval and generate pass saved settings back this way)
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                raise ConfigError(f"{key} must be JSON on the command line, got {value!r}; pass e.g. --{key} '{example}'") from None
+    if origin is list:
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            raise ConfigError(f"{key} must be a list of tables ([[{key}]] in TOML), got {value!r}; e.g. {example}")
+        return [dict(item) for item in value]
+    _, value_type = typing.get_args(tp)
+    if not isinstance(value, dict) or not all(
+        isinstance(v, value_type) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise ConfigError(f"{key} must be a table of {_type_name(value_type)} values, got {value!r}; e.g. {example}")
+    return dict(value)
 
 
 def _finite(key: str, value: float) -> float:

@@ -8,7 +8,7 @@ Each field's docstring (the string literal under it) is the user-facing help tex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from meshloom.config.operations import (
     CheckpointConfig,
@@ -188,7 +188,12 @@ class DataConfig:
     """Attention stays inside each packed document (block-diagonal causal mask)."""
 
     stream: str = ""
-    """dataset=streaming: a .jsonl/.json/.parquet/.txt file, folder or glob read with `datasets` streaming, or hf:NAME."""
+    """dataset=streaming: a .jsonl/.json/.parquet/.arrow/.txt file, folder or glob read with `datasets` streaming, or
+    hf:NAME."""
+
+    stream_workers: int = 0
+    """dataset=streaming: threads that tokenize the stream ahead of training (a reader thread keeps them fed, in
+    order); 0 = read and tokenize in the training loop when a batch is needed."""
 
     text_field: str = "text"
     """Field holding a document's text in .jsonl/.parquet/`datasets` records (prepare and streaming)."""
@@ -196,6 +201,23 @@ class DataConfig:
     bad_input: Literal["error", "skip"] = "error"
     """A non-UTF-8 line, missing text field, empty document or one longer than a shard: error (stop, naming it)
     or skip (drop and count it)."""
+
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    """dataset=shards: mixture stages after the data.shards weights, in order. Each is a table with start_step (or
+    start_tokens), weights (source name -> positive weight; a source left out is not drawn) and optionally
+    transition = "linear" with transition_steps (or transition_tokens); the default transition is a step."""
+
+    max_epochs: dict[str, int] = field(default_factory=dict)
+    """dataset=shards: epochs a source may serve, by source name (its folder's name), e.g. {code = 2}; unlisted = no
+    limit. What happens then is data.on_exhausted."""
+
+    on_exhausted: Literal["repeat", "drop"] = "repeat"
+    """A source that has served data.max_epochs: repeat (another epoch in a new seeded order) or drop (it leaves the
+    mixture and its share goes to the other sources). Either is logged."""
+
+    allow_mixture_change: bool = False
+    """Resume with other data.shards weights, data.stages or data.max_epochs than the checkpoint's: each source
+    continues where it was and the new mixture applies from the resume point on (logged)."""
 
 
 @dataclass

@@ -45,6 +45,7 @@ def validate(config: Config) -> None:
     _require(0 < lr.decay_ratio <= 1, f"lr_scheduler.decay_ratio must lie in (0, 1], got {lr.decay_ratio}")
     _require(0 <= lr.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must lie in [0, 1], got {lr.min_lr_ratio}")
     _require(d.max_bytes >= 0, f"data.max_bytes must be >= 0 (0 = no cap), got {d.max_bytes}")
+    _require(d.stream_workers >= 0, f"data.stream_workers must be >= 0 (0 = tokenize in the training loop), got {d.stream_workers}")
     _require(d.vocab_size >= 258, f"data.vocab_size must be at least 258 (256 bytes + bos/eos), got {d.vocab_size}")
     _require(0 <= d.validation_fraction < 1, f"data.validation_fraction must lie in [0, 1), got {d.validation_fraction}")
     _require(m.log_freq > 0, f"metrics.log_freq must be positive, got {m.log_freq}")

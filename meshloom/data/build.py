@@ -21,6 +21,7 @@ from meshloom.data.builtin_corpus import Document, read_corpus, split_documents
 from meshloom.data.loader import Batch, PackedDataset, StatefulLoader, tokenize_corpus
 from meshloom.data.shard_format import ShardSet
 from meshloom.data.shards import build_shard_loaders, check_shard_folders
+from meshloom.data.stages import build_mixture
 from meshloom.data.streaming import ReplayedLoader, StreamingLoader, stream_files
 from meshloom.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -41,6 +42,14 @@ class DataBundle:
     tokenizer: Tokenizer
     train: Loader
     validation: Loader | None
+
+    def metrics(self) -> dict[str, float]:
+        """The training loader's per-source accounting (mixed shards), else nothing."""
+        return self.train.metrics() if hasattr(self.train, "metrics") else {}
+
+    def events(self) -> list[dict[str, Any]]:
+        """The training loader's mixture events since the last call (a source ran out, a changed mixture)."""
+        return self.train.events() if hasattr(self.train, "events") else []
 
 
 def cache_dir(config: DataConfig) -> Path:
@@ -105,8 +114,16 @@ def run_tokenizer(config: DataConfig, note_skipped_files: bool = False) -> Token
 
 
 def build_data(
-    config: DataConfig, seq_len: int, local_batch_size: int, dp_rank: int, dp_size: int, seed: int, with_validation: bool = True
+    config: DataConfig,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    with_validation: bool = True,
+    samples_per_step: int | None = None,
 ) -> DataBundle:
+    """samples_per_step: training.global_batch_size in samples (data.stages given in steps); default one microbatch."""
     if config.dataset == "builtin":
         return _builtin_data(config, seq_len, local_batch_size, dp_rank, dp_size, seed, with_validation)
     tokenizer = run_tokenizer(config, note_skipped_files=True)
@@ -115,9 +132,10 @@ def build_data(
         def check_tokenizer(shards: ShardSet) -> None:
             shards.check_tokenizer(tokenizer, config.tokenizer)
 
+        mixture = build_mixture(config, samples_per_step or local_batch_size * dp_size, seq_len)
         train, validation = build_shard_loaders(
             config.shards, config.sampling, config.validation_fraction, config.document_mask,
-            seq_len, local_batch_size, dp_rank, dp_size, seed, check_tokenizer,
+            seq_len, local_batch_size, dp_rank, dp_size, seed, check_tokenizer, mixture, config.allow_mixture_change,
         )
         return DataBundle(tokenizer, train, validation if with_validation else None)
 
@@ -125,7 +143,7 @@ def build_data(
         return StreamingLoader(
             config.stream, tokenizer, seq_len, local_batch_size, dp_rank, dp_size,
             text_field=config.text_field, validation_fraction=config.validation_fraction, validation=validation,
-            bad_input=config.bad_input, document_mask=config.document_mask,
+            bad_input=config.bad_input, document_mask=config.document_mask, workers=config.stream_workers,
         )
 
     use_validation = with_validation and config.validation_fraction > 0

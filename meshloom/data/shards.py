@@ -8,9 +8,9 @@ the document's index. A `ShardSource` turns one side into an endless order of se
 * sampling "chunk": the documents are packed once in stored order, and every epoch shuffles the
   windows.
 
-`ShardLoader` mixes the sources by weight (`MixSchedule`) into one global order that every
-data-parallel rank reads its own block of (`GlobalOrderLoader`), so its whole state is one counter
-plus a fingerprint of the data it was counted on.
+`ShardLoader` (mixed_loader.py) mixes the sources by weight, or by a staged schedule, into one
+global order that every data-parallel rank reads its own block of (`GlobalOrderLoader`), so its
+state is one counter plus a fingerprint of the data and mixture it was counted on.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Any, Literal
 import numpy as np
 
 from meshloom.config.errors import UserError
-from meshloom.data.loader import GlobalOrderLoader, Window
-from meshloom.data.mixing import MixSchedule
+from meshloom.data.loader import Window
+from meshloom.data.mixed_loader import ShardLoader
 from meshloom.data.shard_format import ShardSet, read_meta
+from meshloom.data.stages import Mixture
 
 Sampling = Literal["document", "chunk"]
 
@@ -127,6 +128,7 @@ class ShardSource:
         self.stored = PackedDocuments(shards, documents, seq_len)
         self.num_samples = self.stored.num_samples
         self._epochs: dict[int, Any] = {}
+        self._documents: dict[int, int] = {}
 
     def _rng(self, epoch: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, self.index, epoch])
@@ -153,70 +155,34 @@ class ShardSource:
     def reseed(self, seed: int) -> None:
         self.seed = seed
         self._epochs.clear()
+        self._documents.clear()
+
+    def documents_before(self, position: int) -> int:
+        """Documents that begin in the inputs of this source's first `position` windows (accounting)."""
+        epoch, i = divmod(position, self.num_samples)
+        return sum(self._documents_in(e, self.num_samples) for e in range(epoch)) + self._documents_in(epoch, i)
+
+    def _documents_in(self, epoch: int, windows: int) -> int:
+        """Documents beginning in the first `windows` windows of that epoch's order."""
+        if self.sampling == "document" and self.shuffle:
+            whole = windows == self.num_samples
+            if not whole or epoch not in self._documents:
+                packed = self._epoch(epoch)
+                count = int(np.searchsorted(packed.ends - packed.lengths, windows * self.seq_len))
+                if not whole:
+                    return count
+                self._documents[epoch] = count  # finished epochs are summed at every call: keep their totals
+            return self._documents[epoch]
+        starts = self.stored.ends - self.stored.lengths
+        per_window = np.bincount(starts[starts < self.num_samples * self.seq_len] // self.seq_len, minlength=self.num_samples)
+        if self.sampling == "chunk" and self.shuffle:
+            per_window = per_window[self._epoch(epoch)]
+        return int(per_window[:windows].sum())
 
     def fingerprint(self) -> dict[str, Any]:
         content = hashlib.sha256(json.dumps(self.shards.meta["shards"], sort_keys=True).encode()).hexdigest()[:16]
         # Content, not path: a folder copied elsewhere still resumes.
         return {"content": content, "documents": len(self.documents), "samples": self.num_samples}
-
-
-class ShardLoader(GlobalOrderLoader):
-    """Rank-sharded batches of weighted, mixed shard sources; state = one counter (+ what it counts)."""
-
-    def __init__(
-        self,
-        sources: list[ShardSource],
-        weights: list[float],
-        seed: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
-    ):
-        super().__init__(local_batch_size, dp_rank, dp_size)
-        self.sources, self.weights, self.seed = sources, weights, seed
-        self.schedule = MixSchedule(weights, seed)
-
-    @property
-    def num_samples(self) -> int:
-        """Samples in one pass over every source (sources cycle independently)."""
-        return sum(s.num_samples for s in self.sources)
-
-    def locate(self, position: int) -> tuple[int, int]:
-        """(source number, position in that source's order) of a global position."""
-        return self.schedule.locate(position)
-
-    def window(self, position: int) -> Window:
-        k, q = self.schedule.locate(position)
-        return self.sources[k].window(q)
-
-    def _fingerprint(self) -> dict[str, Any]:
-        first = self.sources[0]
-        return {
-            "sources": [s.fingerprint() for s in self.sources],
-            "weights": list(self.weights),
-            "sampling": first.sampling,
-            "seq_len": first.seq_len,
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "seed": self.seed, "data": self._fingerprint()}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Resume from state_dict(); any data-parallel degree and batch size. The saved seed is adopted."""
-        missing = {"consumed", "seed", "data"} - set(sd)
-        if missing:
-            raise UserError(f"data loader state is missing {sorted(missing)}")
-        if sd["data"] != self._fingerprint():
-            changed = sorted(k for k in sd["data"] if sd["data"][k] != self._fingerprint().get(k))
-            raise UserError(
-                f"data loader state was saved for other data ({', '.join(changed)} differ: saved {sd['data']}); "
-                "resume with the same data.shards, data.sampling, data.validation_fraction and training.seq_len"
-            )
-        self._load_consumed(sd)
-        self.seed = int(sd["seed"])
-        self.schedule = MixSchedule(self.weights, self.seed)
-        for source in self.sources:
-            source.reseed(self.seed)
 
 
 def build_shard_loaders(
@@ -230,10 +196,14 @@ def build_shard_loaders(
     dp_size: int,
     seed: int,
     check_tokenizer,
+    mixture: Mixture | None = None,
+    allow_mixture_change: bool = False,
 ) -> tuple[ShardLoader, ShardLoader | None]:
     """(train loader, validation loader or None) over the folders of `data.shards`.
 
-    check_tokenizer(shard_set) raises when the folder was made with another tokenizer.
+    check_tokenizer(shard_set) raises when the folder was made with another tokenizer. `mixture`
+    (stages, max_epochs; default: the data.shards weights throughout) applies to the training side;
+    validation mixes its held-out documents by the data.shards weights.
     """
     train, val, train_weights, val_weights = [], [], [], []
     for k, (folder, weight) in enumerate(check_shard_folders(setting)):
@@ -252,7 +222,7 @@ def build_shard_loaders(
         if held.num_samples > 0:
             val.append(held)
             val_weights.append(weight)
-    train_loader = ShardLoader(train, train_weights, seed, local_batch_size, dp_rank, dp_size)
+    train_loader = ShardLoader(train, train_weights, seed, local_batch_size, dp_rank, dp_size, mixture, allow_mixture_change)
     validation = None
     # A held-out split too small for one global batch is skipped rather than fatal (as for the built-in corpus).
     if val and sum(s.num_samples for s in val) >= local_batch_size * dp_size:

@@ -6,7 +6,9 @@ split (validation = a hash of the text below data.validation_fraction), tokenize
 as [bos] + ids + [eos], and cuts the packed stream into seq_len+1 windows that share one boundary
 token, like the other datasets.
 
-Files are read with the `datasets` json, parquet and text builders (a .txt file is one document).
+Files are read with the `datasets` json, parquet, arrow and text builders (a .txt file is one
+document). With `workers` (data.stream_workers) a reader thread runs ahead and worker threads
+tokenize chunks of documents (prefetch.py); the batches are the same as without.
 Undecodable bytes are read as U+FFFD, so a document containing U+FFFD counts as non-UTF-8 input.
 The json builder takes its fields from the first file: a record may lack the text field, but a
 later file with fields the first lacks stops with an error (prepare has no such limit).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import glob
 import hashlib
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,9 +33,10 @@ import numpy as np
 from meshloom.config.errors import UserError
 from meshloom.data.documents import BadInputPolicy, HF_PREFIX, bad, empty_counts, good, text_of
 from meshloom.data.loader import Batch, Window, batch_of
+from meshloom.data.prefetch import Prefetcher
 from meshloom.data.tokenizer import Tokenizer
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 
 
 def stream_files(spec: str) -> tuple[str, list[str]]:
@@ -47,11 +51,11 @@ def stream_files(spec: str) -> tuple[str, list[str]]:
     elif path.is_file():
         files = [spec]
     else:
-        raise UserError(f"data.stream: {spec} matches no file or folder; give .jsonl/.json/.parquet/.txt files or hf:NAME")
+        raise UserError(f"data.stream: {spec} matches no file or folder; give .jsonl/.json/.parquet/.arrow/.txt files or hf:NAME")
     builders = {_BUILDERS.get(Path(f).suffix) for f in files}
     if not files or None in builders or len(builders) != 1:
         raise UserError(
-            f"data.stream: {spec} must name files of one kind, .jsonl/.json, .parquet or .txt "
+            f"data.stream: {spec} must name files of one kind, .jsonl/.json, .parquet, .arrow or .txt "
             f"(found {sorted({Path(f).suffix for f in files}) or 'none'}); prepare mixed inputs with `meshloom prepare`"
         )
     return builders.pop(), files
@@ -85,6 +89,14 @@ class _Doc(NamedTuple):
     epoch: int
     state: dict[str, Any]  # the datasets state just before this document
     tokens: np.ndarray
+    skipped: dict[str, int]  # bad records skipped up to this document
+
+
+class _Text(NamedTuple):
+    epoch: int
+    state: dict[str, Any]
+    text: str
+    skipped: dict[str, int]
 
 
 class StreamingLoader:
@@ -105,6 +117,7 @@ class StreamingLoader:
         validation: bool = False,
         bad_input: str = "error",
         document_mask: bool = False,
+        workers: int = 0,
     ):
         stream_files(spec)  # a wrong spec fails here, before any reading
         self.spec, self.tokenizer, self.seq_len = spec, tokenizer, seq_len
@@ -113,6 +126,8 @@ class StreamingLoader:
         self.validation_fraction, self.validation = validation_fraction, validation
         self.policy = BadInputPolicy(bad_input)
         self.document_mask = document_mask
+        self.workers = workers
+        self._prefetch: Prefetcher | None = None
         self.rewind()
 
     def rewind(self) -> None:
@@ -122,57 +137,72 @@ class StreamingLoader:
     def _restart(self, epoch: int, doc_state: dict | None, offset: int, windows: int, skipped: dict[str, int]) -> None:
         self.epoch, self.windows, self.skipped = epoch, windows, dict(skipped)
         self._start_state, self._offset = doc_state, offset
-        self._dataset = None
-        self._iterator = None
         self._docs: deque[_Doc] = deque()
         self._buffered = 0
-        self._read = 0  # records read in this epoch (for messages)
-        self._found_in_epoch = doc_state is not None  # a resume point is a usable document
+        if self._prefetch is not None:
+            self._prefetch.close()
+        texts = self._texts(epoch, doc_state, skipped)
+        # The reader runs ahead in a thread; each document carries its own position, so the state stays exact.
+        self._prefetch = Prefetcher(texts, self._tokenize, self.workers) if self.workers > 0 else None
+        self._sequential = texts
 
-    def _open(self) -> None:
-        self._dataset = open_stream(self.spec, self.split, self.dp_rank, self.dp_size)
-        if self._start_state is not None:
-            self._dataset.load_state_dict(self._start_state)
-            self._start_state = None
-        self._iterator = iter(self._dataset)
+    def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        return [np.array([bos, *ids, eos], dtype=np.int64) for ids in self.tokenizer.encode_batch(texts)]
 
     def _next_document(self) -> _Doc:
+        if self._prefetch is not None:
+            item, tokens = self._prefetch.next()
+            doc = _Doc(item.epoch, item.state, tokens, item.skipped)
+        else:
+            item = next(self._sequential)
+            doc = _Doc(item.epoch, item.state, self._tokenize([item.text])[0], item.skipped)
+        self.epoch, self.skipped = doc.epoch, dict(doc.skipped)
+        return doc
+
+    def _texts(self, epoch: int, start_state: dict | None, skipped: dict[str, int]) -> Iterator[_Text]:
+        """This rank's usable documents of its side of the split, in stream order, endlessly (epoch after epoch).
+
+        Only local state: with data.stream_workers it runs in the prefetch thread."""
+        skipped = dict(skipped)
+        found_in_epoch = start_state is not None  # a resume point is a usable document
         while True:
-            if self._iterator is None:
-                self._open()
-            state = self._dataset.state_dict()
-            try:
-                record = next(self._iterator)
-            except StopIteration:
-                if not self._found_in_epoch:
-                    side = "held-out (data.validation_fraction)" if self.validation else "training"
-                    raise UserError(f"data.stream: {self.spec} has no usable {side} document for data-parallel rank {self.dp_rank}") from None
-                self.epoch += 1
-                self._iterator, self._read, self._found_in_epoch = None, 0, False
-                continue
-            except Exception as err:  # datasets and pyarrow raise their own types for unreadable input
-                hint = ""
-                if type(err).__name__ == "CastError":
-                    hint = (
-                        "; the `datasets` json builder needs the fields of the first file in every file "
-                        "(`meshloom prepare` reads each line on its own)"
-                    )
-                raise UserError(f"data.stream: reading {self.spec} failed after record {self._read} of this rank: {err}{hint}") from err
-            where = f"data.stream {self.spec}: record {self._read} of rank {self.dp_rank}'s part, epoch {self.epoch}"
-            self._read += 1
-            text, why = text_of(record, self.text_field)
-            entry = bad(where, "missing_text", why, 0) if text is None else good(where, text, 0)
-            if entry.problem is None and "\ufffd" in text:
-                entry = bad(where, "non_utf8", "holds undecodable bytes (read as U+FFFD)", 0)
-            if entry.problem is not None:
-                self.policy.handle(entry, self.skipped)
-                continue
-            if is_held_out(text, self.validation_fraction) != self.validation:
-                continue
-            self._found_in_epoch = True
-            ids = self.tokenizer.encode(text)
-            tokens = np.array([self.tokenizer.bos_id, *ids, self.tokenizer.eos_id], dtype=np.int64)
-            return _Doc(self.epoch, state, tokens)
+            dataset = open_stream(self.spec, self.split, self.dp_rank, self.dp_size)
+            if start_state is not None:
+                dataset.load_state_dict(start_state)
+                start_state = None
+            iterator, read = iter(dataset), 0  # records read in this epoch (for messages)
+            while True:
+                state = dataset.state_dict()
+                try:
+                    record = next(iterator)
+                except StopIteration:
+                    break
+                except Exception as err:  # datasets and pyarrow raise their own types for unreadable input
+                    hint = ""
+                    if type(err).__name__ == "CastError":
+                        hint = (
+                            "; the `datasets` json builder needs the fields of the first file in every file "
+                            "(`meshloom prepare` reads each line on its own)"
+                        )
+                    raise UserError(f"data.stream: reading {self.spec} failed after record {read} of this rank: {err}{hint}") from err
+                where = f"data.stream {self.spec}: record {read} of rank {self.dp_rank}'s part, epoch {epoch}"
+                read += 1
+                text, why = text_of(record, self.text_field)
+                entry = bad(where, "missing_text", why, 0) if text is None else good(where, text, 0)
+                if entry.problem is None and "\ufffd" in text:
+                    entry = bad(where, "non_utf8", "holds undecodable bytes (read as U+FFFD)", 0)
+                if entry.problem is not None:
+                    self.policy.handle(entry, skipped)
+                    continue
+                if is_held_out(text, self.validation_fraction) != self.validation:
+                    continue
+                found_in_epoch = True
+                yield _Text(epoch, state, text, dict(skipped))
+            if not found_in_epoch:
+                side = "held-out (data.validation_fraction)" if self.validation else "training"
+                raise UserError(f"data.stream: {self.spec} has no usable {side} document for data-parallel rank {self.dp_rank}")
+            epoch, found_in_epoch = epoch + 1, False
 
     def _window(self) -> Window:
         need = self.seq_len + 1

@@ -16,6 +16,7 @@ import torch
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
+from meshloom.data.stages import check_mixture_settings
 from meshloom.inference.sampling import check_sampling_settings
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
@@ -71,6 +72,7 @@ class RunPlan:
         check_qk_clip_config(config, spec, dims)
         _check_hf_export(config, spec)
         check_sampling_settings(config.validation)
+        check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len)
         if device is not None:
             check_compile_config(config.compile, device, dims.tp)
             if config.float8.enable:

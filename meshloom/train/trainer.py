@@ -122,7 +122,8 @@ class Trainer:
         """Rank 0 fills the tokenizer and token caches first, so the other ranks only read them."""
         tc = self.config.training
         build = lambda: build_data(
-            self.config.data, tc.seq_len, tc.local_batch_size, self.dp_rank, self.plan.dp, tc.seed, self.config.validation.enable
+            self.config.data, tc.seq_len, tc.local_batch_size, self.dp_rank, self.plan.dp, tc.seed, self.config.validation.enable,
+            samples_per_step=self.tokens_per_step // tc.seq_len,
         )
         if rank() == 0:
             try:
@@ -327,11 +328,14 @@ class Trainer:
                     **self.step_times.report(),
                     **self.moe.metrics(),
                     **self.qk_clip.metrics(),
+                    **self.data.metrics(),
                 )
                 if result.skipped:
                     metrics["skipped_step"] = 1.0
             if metrics:
                 self.logger.log(self.step, metrics)
+            for event in self.data.events():  # a source ran out (repeats or leaves), or the mixture changed on resume
+                self.logger.log_event(self.step, event)
             if self.sampler is not None and self._should_validate():
                 self.sampler.sample(self.step)
             self.checkpointer.maybe_save()
