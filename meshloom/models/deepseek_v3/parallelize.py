@@ -53,6 +53,7 @@ from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3
 from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
+from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
@@ -239,7 +240,7 @@ def parallelize_deepseek_v3(model: DeepSeekV3, dims: ParallelDims, config: Confi
         if config.compile.async_tp:
             enable_async_tp()
     if dims.cp > 1:
-        apply_context_parallel(model, dims.mesh("cp"), SequenceLayout(dims.cp, par.cp_load_balance), config.training.seq_len)
+        apply_context_parallel(model, dims.mesh("cp"), context_layout(dims, par), config.training.seq_len)
     experts = apply_expert_parallel(list(moe_layers(model).values()), dims) if dims.ep > 1 else None
     blocks = _blocks(model)
     apply_activation_checkpointing(blocks, config.activation_checkpoint)

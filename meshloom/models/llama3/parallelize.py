@@ -23,6 +23,7 @@ from meshloom.models.llama3.model import Llama3Args, Transformer
 from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
+from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
@@ -115,7 +116,7 @@ def parallelize_llama3(model: Transformer, dims: ParallelDims, config: Config) -
         if config.compile.async_tp:
             enable_async_tp()
     if dims.cp > 1:
-        layout = SequenceLayout(dims.cp, par.cp_load_balance)
+        layout = context_layout(dims, par)
         apply_context_parallel(model, dims.mesh("cp"), layout, config.training.seq_len)
     # Activation checkpointing, then compile, wrap each block's forward; FSDP's hooks then go around both.
     apply_activation_checkpointing(model.layers, config.activation_checkpoint)

@@ -35,6 +35,7 @@ from meshloom.models.qwen3.model import Qwen3, Qwen3Args
 from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
+from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
@@ -158,7 +159,7 @@ def parallelize_qwen3(model: Qwen3, dims: ParallelDims, config: Config) -> Qwen3
         if config.compile.async_tp:
             enable_async_tp()
     if dims.cp > 1:
-        apply_context_parallel(model, dims.mesh("cp"), SequenceLayout(dims.cp, par.cp_load_balance), config.training.seq_len)
+        apply_context_parallel(model, dims.mesh("cp"), context_layout(dims, par), config.training.seq_len)
     experts = None
     if dims.ep > 1:
         experts = apply_expert_parallel([block.moe for block in model.layers.values() if block.is_moe], dims)
