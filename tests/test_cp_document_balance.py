@@ -45,7 +45,7 @@ def test_document_aware_assignment_balances_where_head_tail_does_not():
     assert all(len(chunks) == 4 for chunks in assignment)
     head_tail = attention_imbalance(chunk_costs(ids, 256, 8), SequenceLayout(4, True))
     balanced = attention_imbalance(costs, SequenceLayout(4, assignment=assignment))
-    assert head_tail > 1.5 and balanced < 1.05, (head_tail, balanced)
+    assert head_tail > 1.4 and balanced < 1.1, (head_tail, balanced)
     assert assign_chunks(costs, 4) == assignment  # every rank computes the same one
     # Under a plain causal mask head-tail is exact, and the assignment is no worse.
     causal = chunk_costs(None, 256, 16)

@@ -74,9 +74,10 @@ class RingBlocks:
 def gather_documents(document_ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Every cp rank's document ids [cp, b, shard_len] (a few integers per token, once per batch)."""
     local = document_ids.contiguous()
-    gathered = local.new_empty((dist.get_world_size(group), *local.shape))
+    world = dist.get_world_size(group)
+    gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))  # gloo gathers along dim 0 only
     dist.all_gather_into_tensor(gathered, local, group=group)
-    return gathered
+    return gathered.view(world, *local.shape)
 
 
 class BlockCache:
