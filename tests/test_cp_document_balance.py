@@ -64,7 +64,7 @@ def test_sharder_sets_the_batch_layout_that_positions_and_blocks_follow():
     layout = DocumentBalancedLayout(cp=2, chunks_per_rank=4)
     hook = positions_hook(layout, rank=1, seq_len=32)
     tokens = torch.arange(33).repeat(2, 1)
-    ids = _ids([2, 2, 2, 2, 24, 1], [32])
+    ids = _ids([2, 2, 2, 2, 23, 1], [32])
     shards = [BatchSharder(layout, rank)(_Batch(tokens[:, :-1], tokens[:, 1:], ids)) for rank in range(2)]
     current = layout.resolve()
     assert current.assignment == assign_chunks(chunk_costs(ids, 32, 8), 2)
