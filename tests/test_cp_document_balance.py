@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from meshloom.parallel import context
@@ -93,8 +94,8 @@ def test_blocks_are_cut_to_shared_documents_and_skipped_without_any():
     (block,) = RingBlocks(layout, 1, 8, documents)(0)
     # Queries 8, 9 (document 1) see keys 6, 7 only; documents 0 and 2 share nothing across the cut.
     assert (block.rows, block.keys, block.causal, block.mask) == (slice(0, 2), slice(6, 8), False, None)
-    one_doc = torch.zeros(2, 1, 8, dtype=torch.long)
-    assert RingBlocks(layout, 1, 8, torch.cat([one_doc, one_doc + 1], 1))(0) == []
+    one_doc = torch.zeros(1, 1, 8, dtype=torch.long)  # [cp, b, shard]: rank 0 holds document 0, rank 1 document 1
+    assert RingBlocks(layout, 1, 8, torch.cat([one_doc, one_doc + 1]))(0) == []
 
 
 def test_rows_that_see_no_key_merge_without_nan():
@@ -117,3 +118,31 @@ def test_rows_that_see_no_key_merge_without_nan():
     dq, dk, dv = context.block_attention_backward(q, k, v, grad, final_lse, delta, 8**-0.5, False, mask)
     assert not any(t.isnan().any() for t in (dq, dk, dv))
     assert torch.equal(dq[:, :, [1, 3]], torch.zeros(1, 2, 2, 8))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_ring_blocks_of_every_rank_give_document_masked_attention(device):
+    """The ring's work for each query rank, played in one process (the hops become a loop over owners): the
+    document-cut blocks merged by log-sum-exp equal SDPA with the full block-diagonal causal mask, with MLA's
+    larger v head, on CPU and on CUDA."""
+    torch.manual_seed(0)
+    ids = _ids([1, 5, 2, 20, 3, 1, 32], [64]).to(device)
+    q, k = torch.randn(2, 2, 64, 8, device=device), torch.randn(2, 2, 64, 8, device=device)
+    v = torch.randn(2, 2, 64, 12, device=device)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_mask(ids)[:, None])
+    costs = chunk_costs(ids, 64, 16)
+    for layout in (SequenceLayout(4, True), SequenceLayout(4, assignment=assign_chunks(costs, 4))):
+        documents = torch.stack([layout.shard(ids, r) for r in range(4)])
+        for rank in range(4):
+            blocks = RingBlocks(layout, rank, 16, documents)
+            qs = layout.shard(q, rank, dim=2)
+            out = torch.zeros(2, 2, 16, 12, device=device)
+            lse = torch.full((2, 2, 16), float("-inf"), device=device)
+            for owner in range(4):
+                ks, vs = layout.shard(k, owner, dim=2), layout.shard(v, owner, dim=2)
+                for b in blocks(owner):
+                    block_out, block_lse = context.block_attention(
+                        qs[:, :, b.rows], ks[:, :, b.keys], vs[:, :, b.keys], 8**-0.5, b.causal, b.mask
+                    )
+                    context.merge_partial(out[:, :, b.rows], lse[:, :, b.rows], block_out, block_lse)
+            torch.testing.assert_close(out, layout.shard(reference, rank, dim=2), atol=1e-5, rtol=1e-5)
