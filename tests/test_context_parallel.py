@@ -21,6 +21,7 @@ from meshloom.models.llama3 import Transformer
 from meshloom.models.registry import get_model_args
 from meshloom.parallel import context
 from meshloom.parallel.context import SequenceLayout, block_attention, block_attention_backward, merge_partial
+from meshloom.parallel.document_balance import assign_chunks, chunk_costs
 
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 2e-2
@@ -33,6 +34,18 @@ CASES = [
     ("balanced_autocast", True, torch.float32, context.SCORE_TILE_ELEMENTS, True),
     ("balanced_bf16", True, torch.bfloat16, context.SCORE_TILE_ELEMENTS, False),
 ]
+# Document masks: (name, layout, v head size, score tile elements). "document" is the document-aware assignment
+# of the batch's chunks (4 per rank); a v head size of 24 against q/k's 16 is MLA's shape.
+DOCUMENT_CASES = [
+    ("documents", "balanced", 16, context.SCORE_TILE_ELEMENTS),
+    ("documents_contiguous", "contiguous", 16, context.SCORE_TILE_ELEMENTS),
+    ("documents_tiled", "balanced", 16, 2 * 4 * 3 * 16),
+    ("documents_mla", "balanced", 24, context.SCORE_TILE_ELEMENTS),
+    ("documents_assigned", "document", 24, context.SCORE_TILE_ELEMENTS),
+]
+# Two packed sequences of 64 tokens: one-token documents, short ones, and one running across several chunks;
+# the second sequence is one document. Equal ids = the same document.
+DOCUMENT_LENGTHS = [[1, 1, 3, 7, 30, 2, 1, 19], [64]]
 
 
 # ---------------------------------------------------------------------------
@@ -134,12 +147,24 @@ def test_sequence_length_must_split_into_the_layout_chunks(argv, message):
     load_config(["--parallelism.cp", "4", "--training.seq_len", "36", "--parallelism.cp_load_balance", "false"])
 
 
-def test_context_parallel_refuses_an_attention_mask_it_does_not_implement():
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parallelism.cp_document_balance", "true"],
+         "parallelism.cp_document_balance = true balances packed documents, but data.document_mask is false; "
+         "set data.document_mask = true or parallelism.cp_document_balance = false"),
+        (["--parallelism.cp_document_balance", "true", "--data.document_mask", "true", "--parallelism.cp_document_chunks", "3"],
+         "training.seq_len=64 must be divisible by parallelism.cp x parallelism.cp_document_chunks = 6 (the "
+         "document-aware split); use a multiple of 6 or fewer parallelism.cp_document_chunks"),
+        (["--parallelism.cp_document_balance", "true", "--data.document_mask", "true", "--parallelism.cp_document_chunks", "0"],
+         "parallelism.cp_document_chunks must be >= 1, got 0"),
+    ],
+)
+def test_document_balancing_settings_are_checked(argv, message):
     with pytest.raises(ConfigError) as err:
-        load_config(["--parallelism.cp", "2", "--training.seq_len", "64", "--data.document_mask", "true"])
-    assert "parallelism.cp=2 supports the causal attention mask only, not the document mask" in str(err.value)
-    assert "set parallelism.cp = 1 or data.document_mask = false" in str(err.value)
-    load_config(["--parallelism.cp", "1", "--data.document_mask", "true"])
+        load_config(["--parallelism.cp", "2", "--training.seq_len", "64", *argv])
+    assert message in str(err.value)
+    load_config(["--parallelism.cp", "2", "--training.seq_len", "64", "--data.document_mask", "true"])
 
 
 # ---------------------------------------------------------------------------
@@ -147,18 +172,34 @@ def test_context_parallel_refuses_an_attention_mask_it_does_not_implement():
 # ---------------------------------------------------------------------------
 
 
-def _ring_case(layout: SequenceLayout, ring: context.Ring, dtype: torch.dtype, autocast: bool) -> dict[str, float]:
+def document_ids() -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(d)), torch.tensor(d)) for d in DOCUMENT_LENGTHS])
+
+
+def _ring_case(
+    layout: SequenceLayout,
+    ring: context.Ring,
+    dtype: torch.dtype,
+    autocast: bool,
+    documents: torch.Tensor | None = None,
+    v_dim: int = 16,
+) -> dict[str, float]:
     """Max |ring - full attention| on this rank's shard for the output and the q/k/v gradients."""
     generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank
-    q, k, v, grad = (torch.randn(2, 4, 64, 16, generator=generator).to(dtype) for _ in range(4))
+    q, k, v, grad = (torch.randn(2, 4, 64, d, generator=generator).to(dtype) for d in (16, 16, v_dim, v_dim))
     full = [t.double().requires_grad_() for t in (q, k, v)]
-    reference = F.scaled_dot_product_attention(*full, is_causal=True)
+    if documents is None:
+        reference = F.scaled_dot_product_attention(*full, is_causal=True)
+    else:
+        mask = (documents[:, :, None] == documents[:, None, :]).tril()[:, None]
+        reference = F.scaled_dot_product_attention(*full, attn_mask=mask)
     reference.backward(grad.double())
 
     shard = lambda t: layout.shard(t, ring.rank, dim=2)
     local = [shard(t).requires_grad_() for t in (q, k, v)]
+    local_documents = None if documents is None else layout.shard(documents, ring.rank)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = context.ring_attention(*local, ring, layout)
+        out = context.ring_attention(*local, ring, layout, document_ids=local_documents)
         out.backward(shard(grad))
     errors = {"out": (out.double() - shard(reference.detach())).abs().max()}
     for name, mine, ref in zip("qkv", local, full):
@@ -195,6 +236,18 @@ def worker(out_file: Path) -> None:
         worst = torch.tensor(list(errors.values()), dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         results[name] = dict(zip(errors, worst.tolist()))
+    ids = document_ids()
+    for name, kind, v_dim, tile in DOCUMENT_CASES:
+        context.SCORE_TILE_ELEMENTS = tile
+        if kind == "document":
+            layout = SequenceLayout(ring.size, assignment=assign_chunks(chunk_costs(ids, 64, 4 * ring.size), ring.size))
+        else:
+            layout = SequenceLayout(ring.size, kind == "balanced")
+        errors = _ring_case(layout, ring, torch.float32, False, ids, v_dim)
+        context.SCORE_TILE_ELEMENTS = default_tile
+        worst = torch.tensor(list(errors.values()), dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        results[name] = dict(zip(errors, worst.tolist()))
     results["events"] = _record_forward_events(ring)
     if ring.rank == 0:
         out_file.write_text(json.dumps(results))
@@ -220,7 +273,7 @@ def ring_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("case", [c[0] for c in CASES + DOCUMENT_CASES])
 def test_ring_attention_matches_full_attention(ring_results, world_size, case):
     errors = ring_results[world_size][case]
     tolerance = BF16_TOLERANCE if "bf16" in case else TOLERANCE

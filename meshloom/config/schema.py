@@ -241,6 +241,15 @@ class ParallelismConfig:
     """With cp > 1: split each sequence head-tail (rank r holds chunks r and 2*cp-1-r of 2*cp), which gives every
     rank equal causal-attention work; false = cp contiguous chunks. training.seq_len must divide into the chunks."""
 
+    cp_document_balance: bool = False
+    """With cp > 1 and data.document_mask: cut each batch into cp x cp_document_chunks chunks and deal them to the cp
+    ranks by attention work given where its documents fall (the visible query-key pairs of each chunk), instead of
+    cp_load_balance's fixed split. The metric cp_attention_imbalance (largest / mean rank work) shows the effect."""
+
+    cp_document_chunks: int = 4
+    """Chunks per cp rank for cp_document_balance: more balance finer but make more, smaller attention blocks.
+    training.seq_len must divide into cp x cp_document_chunks chunks."""
+
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models only): each MoE layer's routed experts are split over ep ranks
     borrowed from dp_shard x cp (no extra ranks), tokens travel to their experts and back by all-to-all, and FSDP

@@ -5,9 +5,6 @@ from __future__ import annotations
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 
-# Attention mask kinds the context-parallel ring attention implements (a document mask is not one yet).
-CONTEXT_PARALLEL_MASKS = ("causal",)
-
 
 def attention_mask_kind(config: Config) -> str:
     """The attention mask a run asks for: "document" with data.document_mask, else "causal"."""
@@ -83,12 +80,22 @@ def validate(config: Config) -> None:
 
 def _check_context_parallel(config: Config) -> None:
     cp, seq_len, mask = config.parallelism.cp, config.training.seq_len, attention_mask_kind(config)
-    _require(
-        mask in CONTEXT_PARALLEL_MASKS,
-        f"parallelism.cp={cp} supports the {' and '.join(CONTEXT_PARALLEL_MASKS)} attention mask only, not the {mask} "
-        "mask that data.document_mask = true asks for; set parallelism.cp = 1 or data.document_mask = false",
-    )
-    balanced = config.parallelism.cp_load_balance
+    par = config.parallelism
+    if par.cp_document_balance:
+        _require(par.cp_document_chunks >= 1, f"parallelism.cp_document_chunks must be >= 1, got {par.cp_document_chunks}")
+        _require(
+            mask == "document",
+            "parallelism.cp_document_balance = true balances packed documents, but data.document_mask is false; "
+            "set data.document_mask = true or parallelism.cp_document_balance = false",
+        )
+        chunks = cp * par.cp_document_chunks
+        _require(
+            seq_len % chunks == 0,
+            f"training.seq_len={seq_len} must be divisible by parallelism.cp x parallelism.cp_document_chunks = {chunks} "
+            f"(the document-aware split); use a multiple of {chunks} or fewer parallelism.cp_document_chunks",
+        )
+        return
+    balanced = par.cp_load_balance
     chunks = 2 * cp if balanced else cp
     _require(
         seq_len % chunks == 0,

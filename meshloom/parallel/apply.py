@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshloom.parallel.compile import apply_compile, enable_async_tp, set_cache_dir
 from meshloom.parallel.context import RingAttentionCore, SequenceLayout, positions_hook
+from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
@@ -138,8 +139,7 @@ def parallelize(model: nn.Module, plan: RunPlan) -> nn.Module:
         if config.compile.async_tp:
             enable_async_tp()
     if dims.cp > 1:
-        layout = SequenceLayout(dims.cp, config.parallelism.cp_load_balance)
-        apply_context_parallel(model, parts, dims.mesh("cp"), layout, config.training.seq_len)
+        apply_context_parallel(model, parts, dims.mesh("cp"), context_layout(dims, config.parallelism), config.training.seq_len)
     experts = apply_expert_parallel(list(parts.moe_layers(model)), dims) if dims.ep > 1 else None
     blocks = nn.ModuleDict(dict(parts.blocks(model)))
     apply_activation_checkpointing(blocks, config.activation_checkpoint)

@@ -1,17 +1,17 @@
 """Context parallel: each rank of the cp group holds a shard of every sequence; attention runs as a ring.
 
-Sequence layout. The sequence is cut into equal chunks. Unbalanced: cp chunks, rank r holds chunk r.
-Load-balanced ("head-tail" or zigzag): 2*cp chunks, rank r holds chunks r and 2*cp-1-r, so under a causal mask
-every rank has the same number of visible (query, key) pairs; unbalanced, the last rank does cp times the work
-of the first. Inputs, labels and RoPE positions are all cut by the same layout, so each rank's token losses are
-exactly the unsharded ones and the mean over the cp group is the unsharded mean.
+Sequence layout (see sequence_layout.py). The sequence is cut into equal chunks: contiguous (rank r holds chunk r),
+head-tail (rank r holds chunks r and 2*cp-1-r, which balances a causal mask), or per batch by attention work given
+where the packed documents fall (document_balance.py). Inputs, labels, document ids and RoPE positions are all cut
+by the same layout, so each rank's token losses are exactly the unsharded ones.
 
 Ring attention. Every rank keeps its queries; the key/value shards travel around the ring, one hop per step.
 Each visiting block gives a partial softmax over its keys (an output and its log-sum-exp), and partial results
 are merged exactly with log-sum-exp arithmetic. The next block is already in flight while the current one is
 computed. Backward runs the same ring: key/value shards travel again, and their gradient accumulators follow
 one hop behind, arriving back at their owner after the last step. Blocks that the causal mask hides entirely
-are skipped, which is where load balancing pays.
+are skipped, which is where load balancing pays. With document ids (a block-diagonal causal mask) each block is
+also cut to the queries and keys that share a document, or skipped when none do (see ring_blocks.py).
 
 Everything is public torch ops (matmul, logsumexp, batch_isend_irecv), so it runs on CPU (gloo) and CUDA
 (NCCL) alike; partial results are kept in float32 whatever the input dtype.
@@ -19,17 +19,19 @@ Everything is public torch ops (matmul, logsumexp, batch_isend_irecv), so it run
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from meshloom.config.errors import UserError
-from meshloom.parallel.dims import ParallelDims
+# The layout and batch sharding live in sequence_layout.py and document_balance.py; importers of this module
+# find them here too.
+from meshloom.parallel.document_balance import BatchSharder, batch_sharder
+from meshloom.parallel.ring_blocks import BlockCache, RingBlocks, gather_documents
+from meshloom.parallel.sequence_layout import Layout, SequenceLayout, positions_hook
+
+__all__ = ["BatchSharder", "Layout", "RingAttentionCore", "SequenceLayout", "batch_sharder", "positions_hook", "ring_attention"]
 
 # Upper bound on the elements of one score tile [b, heads, rows, keys]: long shards are processed a few query
 # rows at a time so the transient scores stay small (4 MiB in float32).
@@ -38,109 +40,6 @@ SCORE_TILE_ELEMENTS = 2**20
 # Message tags: key/value blocks and gradient accumulators may be in flight between the same pair at once.
 _KV_TAG = 1
 _GRAD_TAG = 2
-
-
-# ---------------------------------------------------------------------------
-# Sequence layout and data sharding
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SequenceLayout:
-    """Which chunks of a sequence each of the `cp` ranks holds (see the module docstring)."""
-
-    cp: int
-    load_balance: bool = True
-
-    @property
-    def chunks_per_rank(self) -> int:
-        return 2 if self.load_balance else 1
-
-    @property
-    def num_chunks(self) -> int:
-        return self.cp * self.chunks_per_rank
-
-    def check_seq_len(self, seq_len: int) -> None:
-        if seq_len % self.num_chunks:
-            mode = "the load-balanced split (2 chunks per rank)" if self.load_balance else "the contiguous split"
-            raise UserError(
-                f"a sequence of {seq_len} tokens cannot be cut into {self.num_chunks} equal chunks for {mode} "
-                f"over cp={self.cp} ranks; use a length divisible by {self.num_chunks}"
-            )
-
-    def rank_chunks(self, rank: int) -> tuple[int, ...]:
-        """Global chunk indices held by `rank`, in the order they appear in its shard."""
-        if self.load_balance:
-            return (rank, self.num_chunks - 1 - rank)
-        return (rank,)
-
-    def positions(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """Positions in the full sequence of `rank`'s tokens, in shard order (int64, [seq_len // cp])."""
-        self.check_seq_len(seq_len)
-        chunk = seq_len // self.num_chunks
-        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.rank_chunks(rank)])
-
-    def shard(self, tensor: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
-        """`rank`'s shard of a full-sequence tensor along `dim`."""
-        return tensor.index_select(dim, self.positions(tensor.shape[dim], rank, tensor.device))
-
-    def visible_blocks(self, q_rank: int, kv_rank: int, shard_len: int) -> Iterator[tuple[slice, slice, bool]]:
-        """(query rows, key rows, causal) of every chunk pair in which some query sees some key.
-
-        A key chunk earlier than the query chunk is fully visible; the same chunk is causal on its diagonal;
-        a later chunk is hidden and skipped.
-        """
-        chunk = shard_len // self.chunks_per_rank
-        for i, q_chunk in enumerate(self.rank_chunks(q_rank)):
-            for j, kv_chunk in enumerate(self.rank_chunks(kv_rank)):
-                if kv_chunk <= q_chunk:
-                    yield slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk), kv_chunk == q_chunk
-
-
-def batch_sharder(dims: ParallelDims, load_balance: bool) -> Callable[[Any], Any]:
-    """A function from a batch (a dataclass with `inputs`, `labels` and optional `document_ids` [b, s]) to this
-    rank's sequence shard of it.
-
-    Every per-token field is cut at the same positions, so each local token keeps its own next-token target.
-    Without context parallel the batch passes through unchanged.
-    """
-    if dims.cp == 1:
-        return lambda batch: batch
-    layout = SequenceLayout(dims.cp, load_balance)
-    rank = dims.mesh("cp").get_local_rank()
-
-    def shard(batch: Any) -> Any:
-        per_token = {name: getattr(batch, name) for name in ("inputs", "labels", "document_ids")}
-        return dataclasses.replace(
-            batch, **{name: layout.shard(value, rank) for name, value in per_token.items() if value is not None}
-        )
-
-    return shard
-
-
-def positions_hook(layout: SequenceLayout, rank: int, seq_len: int) -> Callable:
-    """A forward pre-hook (with kwargs) that passes this rank's RoPE `positions` to a model's forward.
-
-    The positions follow from the configured sequence length rather than the input's shape, because a later
-    pipeline stage may receive hidden states that tensor parallel has sharded further along the sequence.
-    """
-    positions = layout.positions(seq_len, rank)
-    on_device: dict[torch.device, torch.Tensor] = {}
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("positions") is not None:
-            return args, kwargs
-        first = args[0] if args else next(iter(kwargs.values()))
-        if first.ndim == 2 and first.shape[1] != positions.numel():
-            raise UserError(
-                f"context parallel was set up for sequences of {seq_len} tokens ({positions.numel()} per rank), "
-                f"but this rank got {first.shape[1]} tokens; shard the batch with its layout first"
-            )
-        if first.device not in on_device:
-            on_device[first.device] = positions.to(first.device)
-        return args, {**kwargs, "positions": on_device[first.device]}
-
-    return hook
 
 
 # ---------------------------------------------------------------------------
@@ -153,13 +52,23 @@ def _tile_rows(q: torch.Tensor, kv_len: int) -> int:
     return max(1, min(q.shape[2], SCORE_TILE_ELEMENTS // max(1, batch_heads * kv_len)))
 
 
-def _tile_scores(q_tile: torch.Tensor, k: torch.Tensor, first_row: int, scale: float, causal: bool) -> torch.Tensor:
-    """Scaled scores of a tile of query rows against k; causal: query row i sees keys 0..i (same chunk)."""
+def _tile_scores(
+    q_tile: torch.Tensor, k: torch.Tensor, first_row: int, scale: float, causal: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Scaled scores of a tile of query rows against k; causal: query row i sees keys 0..i (same chunk); `mask`
+    [b, rows, keys] (the tile's rows, k's keys): False hides a key from a query."""
     scores = torch.matmul(q_tile, k.transpose(-1, -2)) * scale
     if causal:
         visible = torch.ones(q_tile.shape[-2], k.shape[-2], dtype=torch.bool, device=q_tile.device)
         scores = scores.masked_fill(~visible.tril(diagonal=first_row), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
     return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows that see no key) as 0, so that exp(score - lse) is exp(-inf) = 0 there, not NaN."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
 def _row_tiles(q: torch.Tensor, kv_len: int, causal: bool) -> Iterator[tuple[int, int, int]]:
@@ -171,16 +80,19 @@ def _row_tiles(q: torch.Tensor, kv_len: int, causal: bool) -> Iterator[tuple[int
 
 
 def block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q over one key block: (output, log-sum-exp of the scores), both float32. The output has
-    v's head size, which may differ from q's and k's."""
+    v's head size, which may differ from q's and k's. A row that `mask` [b, q rows, keys] hides from every key
+    gets an output of 0 and a log-sum-exp of -inf."""
     out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for start, end, kv_end in _row_tiles(q, k.shape[2], causal):
-        scores = _tile_scores(q[:, :, start:end], k[:, :, :kv_end], start, scale, causal)
+        tile_mask = None if mask is None else mask[:, start:end, :kv_end]
+        scores = _tile_scores(q[:, :, start:end], k[:, :, :kv_end], start, scale, causal, tile_mask)
         tile_lse = torch.logsumexp(scores, dim=-1)
-        out[:, :, start:end] = torch.matmul(torch.exp(scores - tile_lse[..., None]), v[:, :, :kv_end])
+        probs = torch.exp(scores - (tile_lse if mask is None else _finite(tile_lse))[..., None])
+        out[:, :, start:end] = torch.matmul(probs, v[:, :, :kv_end])
         lse[:, :, start:end] = tile_lse
     return out, lse
 
@@ -194,6 +106,7 @@ def block_attention_backward(
     delta: torch.Tensor,
     scale: float,
     causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block's share of attention.
 
@@ -205,7 +118,8 @@ def block_attention_backward(
     dv = torch.zeros_like(v)
     for start, end, kv_end in _row_tiles(q, k.shape[2], causal):
         q_tile, k_seen, v_seen = q[:, :, start:end], k[:, :, :kv_end], v[:, :, :kv_end]
-        probs = torch.exp(_tile_scores(q_tile, k_seen, start, scale, causal) - lse[:, :, start:end, None])
+        tile_mask = None if mask is None else mask[:, start:end, :kv_end]
+        probs = torch.exp(_tile_scores(q_tile, k_seen, start, scale, causal, tile_mask) - lse[:, :, start:end, None])
         grad_tile = grad_out[:, :, start:end]
         dv[:, :, :kv_end] += torch.matmul(probs.transpose(-1, -2), grad_tile)
         grad_scores = probs * (torch.matmul(grad_tile, v_seen.transpose(-1, -2)) - delta[:, :, start:end, None])
@@ -215,9 +129,12 @@ def block_attention_backward(
 
 
 def merge_partial(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's (output, log-sum-exp) into the running ones, in place: softmax over the union of keys."""
+    """Fold one block's (output, log-sum-exp) into the running ones, in place: softmax over the union of keys.
+
+    Rows that have seen no key yet on either side (-inf and -inf, under a document mask) stay 0 and -inf."""
     merged = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - merged)[..., None]).add_(block_out * torch.exp(block_lse - merged)[..., None])
+    safe = _finite(merged)
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(block_out * torch.exp(block_lse - safe)[..., None])
     lse.copy_(merged)
 
 
@@ -266,9 +183,9 @@ def _unpack(kv: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[..., :k_dim], kv[..., k_dim:]
 
 
-def _ring_forward(q, k, v, ring: Ring, layout: SequenceLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q, k, v, ring: Ring, blocks: RingBlocks, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in q's dtype, float32 log-sum-exp) of this rank's queries over every rank's keys."""
-    shard_len, k_dim = q.shape[2], k.shape[-1]
+    k_dim = k.shape[-1]
     q32 = q.float()
     out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -278,17 +195,20 @@ def _ring_forward(q, k, v, ring: Ring, layout: SequenceLayout, scale: float) -> 
         incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
         owner = (ring.rank - step) % ring.size
         k32, v32 = (t.float() for t in _unpack(kv, k_dim))
-        for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
-            block_out, block_lse = block_attention(q32[:, :, rows], k32[:, :, keys], v32[:, :, keys], scale, causal)
+        for block in blocks(owner):
+            rows, keys = block.rows, block.keys
+            block_out, block_lse = block_attention(
+                q32[:, :, rows], k32[:, :, keys], v32[:, :, keys], scale, block.causal, block.mask
+            )
             merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         if incoming is not None:
             kv = incoming.wait()
     return out.to(q.dtype), lse
 
 
-def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, layout: SequenceLayout, scale: float):
+def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, blocks: RingBlocks, scale: float):
     """(dq, dk, dv) of this rank's shard; each key/value block's gradient comes home from the ranks it visited."""
-    shard_len, k_dim = q.shape[2], k.shape[-1]
+    k_dim = k.shape[-1]
     q32, grad32 = q.float(), grad_out.float()
     delta = (grad32 * out.float()).sum(-1)
     dq = torch.zeros_like(q32)
@@ -300,10 +220,11 @@ def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, layout: SequenceLayo
         k32, v32 = (t.float() for t in _unpack(kv, k_dim))
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
         dk, dv = _unpack(dkv, k_dim)
-        for rows, keys, causal in layout.visible_blocks(ring.rank, owner, shard_len):
+        for block in blocks(owner):
+            rows, keys = block.rows, block.keys
             dq_block, dk_block, dv_block = block_attention_backward(
                 q32[:, :, rows], k32[:, :, keys], v32[:, :, keys],
-                grad32[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal,
+                grad32[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, block.causal, block.mask,
             )
             dq[:, :, rows] += dq_block
             dk[:, :, keys] += dk_block
@@ -323,10 +244,10 @@ class _RingAttention(torch.autograd.Function):
     # Autocast is off inside: the partial results must stay float32 whatever the surrounding region asks for.
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, layout: SequenceLayout, scale: float):
+    def forward(ctx, q, k, v, ring: Ring, blocks: RingBlocks, scale: float):
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = _ring_forward(q, k, v, ring, layout, scale)
-        ctx.ring, ctx.layout, ctx.scale = ring, layout, scale
+            out, lse = _ring_forward(q, k, v, ring, blocks, scale)
+        ctx.ring, ctx.blocks, ctx.scale = ring, blocks, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -334,42 +255,56 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, ctx.ring, ctx.layout, ctx.scale)
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, ctx.ring, ctx.blocks, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, layout: SequenceLayout, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: Ring,
+    layout: Layout,
+    scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+    blocks: RingBlocks | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's sequence shard over the whole sequence held by the ring.
 
     q, k, v: [b, heads, shard_len, head_dim], laid out by `layout` (the same heads for k, v as for q; v's head_dim
-    may differ from q's and k's).
+    may differ from q's and k's). With `document_ids` [b, shard_len] (this rank's shard) a query sees only keys of
+    its own document. `blocks` may carry the blocks already built for this batch (see ring_blocks.BlockCache).
     """
+    layout = layout.resolve()
     if q.shape[2] % layout.chunks_per_rank:
         raise ValueError(f"shard length {q.shape[2]} is not divisible by {layout.chunks_per_rank} chunks per rank")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if ring.size == 1:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return _RingAttention.apply(q, k, v, ring, layout, scale)
+        if document_ids is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        same = (document_ids[:, :, None] == document_ids[:, None, :]).tril()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same[:, None], scale=scale)
+    if blocks is None:
+        documents = None if document_ids is None else gather_documents(document_ids, ring.group)
+        blocks = RingBlocks(layout, ring.rank, q.shape[2], documents)
+    return _RingAttention.apply(q, k, v, ring, blocks, scale)
 
 
 class RingAttentionCore:
     """An attention core (q, k, v[, document_ids] -> out) for models whose attention kernel is swappable."""
 
-    def __init__(self, group: dist.ProcessGroup, layout: SequenceLayout):
+    def __init__(self, group: dist.ProcessGroup, layout: Layout):
         self.ring = Ring(group)
         self.layout = layout
+        self.blocks = BlockCache(group)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if document_ids is not None:
-            raise UserError(
-                "context-parallel ring attention implements the causal mask only, not document masks; "
-                "set data.document_mask = false or parallelism.cp = 1"
-            )
-        return ring_attention(q, k, v, self.ring, self.layout)
+        """document_ids [b, shard_len]: this rank's shard of the batch's ids (a block-diagonal causal mask)."""
+        layout = self.layout.resolve()
+        blocks = self.blocks.get(layout, q.shape[2], document_ids) if self.ring.size > 1 else None
+        return ring_attention(q, k, v, self.ring, layout, document_ids=document_ids, blocks=blocks)
 
     def __repr__(self) -> str:
         return f"RingAttentionCore(cp={self.ring.size}, load_balance={self.layout.load_balance})"

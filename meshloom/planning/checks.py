@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.shape import ShapeModel
-from meshloom.parallel.context import SequenceLayout
+from meshloom.parallel.document_balance import planned_layout
 from meshloom.parallel.dims import ParallelDims
 
 
@@ -32,7 +32,7 @@ def check_generic_layout(shape: ShapeModel, dims: ParallelDims) -> None:
 def check_context_parallel(config: Config, dims: ParallelDims) -> None:
     """Each cp rank holds whole, equal chunks of every sequence."""
     if dims.cp > 1:
-        SequenceLayout(dims.cp, config.parallelism.cp_load_balance).check_seq_len(config.training.seq_len)
+        planned_layout(dims.cp, config.parallelism).check_seq_len(config.training.seq_len)
 
 
 def check_moe_settings(shape: ShapeModel, config: Config, dims: ParallelDims) -> None:

@@ -25,6 +25,7 @@ from meshloom.observe.stragglers import RankStepTimes
 from meshloom.observe.summary import startup_summary
 from meshloom.parallel.compile import build_loss_fn
 from meshloom.parallel.context import batch_sharder
+from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
 from meshloom.parallel.distributed import (
     init_distributed,
@@ -116,7 +117,7 @@ class Trainer:
             self.dims.build_mesh(self.device.type)
             self.dp_rank = self.dims.mesh("dp").get_local_rank()
         # Context parallel: every rank of a cp group reads the same samples and keeps its shard of each sequence.
-        self.shard_batch = batch_sharder(self.dims, self.config.parallelism.cp_load_balance)
+        self.shard_batch = batch_sharder(self.dims, context_layout(self.dims, self.config.parallelism))
 
     def _build_data(self) -> DataBundle:
         """Rank 0 fills the tokenizer and token caches first, so the other ranks only read them."""
@@ -329,6 +330,7 @@ class Trainer:
                     **self.moe.metrics(),
                     **self.qk_clip.metrics(),
                     **self.data.metrics(),
+                    **self.shard_batch.metrics(),
                 )
                 if result.skipped:
                     metrics["skipped_step"] = 1.0

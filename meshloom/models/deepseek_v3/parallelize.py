@@ -44,6 +44,7 @@ from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3
 from meshloom.parallel.apply import BlockPlan, ParallelParts
 from meshloom.parallel.context import SequenceLayout
 from meshloom.parallel.dims import ParallelDims, check_divisible
+from meshloom.parallel.document_balance import planned_layout
 from meshloom.parallel.moe_tensor import moe_block_plan
 from meshloom.parallel.sequence_shift import ShardedSequenceShift
 
@@ -59,7 +60,7 @@ def check_layout(args: DeepSeekV3Args, config: Config, dims: ParallelDims) -> No
     check_divisible("tp", dims.tp, sizes)
     if dims.cp > 1:
         # Multi-token prediction reads labels up to mtp_depth places past a chunk's end, from the next chunk only.
-        seq_len, layout = config.training.seq_len, SequenceLayout(dims.cp, config.parallelism.cp_load_balance)
+        seq_len, layout = config.training.seq_len, planned_layout(dims.cp, config.parallelism)
         chunk = seq_len // layout.num_chunks
         if args.mtp_depth > chunk:
             raise ConfigError(
