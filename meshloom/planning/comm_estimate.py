@@ -7,10 +7,19 @@ over n ranks sends (n - 1)/n of the full tensor, an all-reduce twice that.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
-from meshloom.models.shape import ShapeModel
+from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import Layout, Precision
-from meshloom.planning.memory_estimate import FLOAT8, StageShape, cached_block_params, local_numel, pipeline_stages
+from meshloom.planning.memory_estimate import (
+    FLOAT8,
+    StageShape,
+    cached_block_params,
+    cached_root_params,
+    is_moe_block,
+    local_numel,
+    pipeline_stages,
+)
 
 # Newton-Schulz iterations per Muon update (optimizer.muon_ns_steps' default) and the bytes of its dtype (bf16).
 MUON_NS_STEPS = 5
@@ -42,6 +51,17 @@ def step_flops(shape: ShapeModel, layout: Layout, seq_len: int) -> tuple[float, 
 def _flops_per_token(shape: ShapeModel, seq_len: int) -> tuple[float, float]:
     """(training, full checkpointing's recomputation) FLOPs per token: fixed for a model, asked for per layout."""
     return shape.flops_per_token(seq_len), shape.recompute_flops_per_token(seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_parts(block: tuple[ParamShape, ...]) -> tuple[tuple[ParamShape, ...], ...]:
+    """A block's dense matrices, dense vectors, expert stacks, and the matrices Muon updates."""
+    return (
+        tuple(p for p in block if not p.expert and len(p.shape) >= 2),
+        tuple(p for p in block if not p.expert and len(p.shape) < 2),
+        tuple(p for p in block if p.expert),
+        tuple(p for p in block if len(p.shape) >= 2 and not p.adamw),
+    )
 
 
 def _distinct_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
@@ -85,13 +105,21 @@ def _stage_comm_bytes(shape: ShapeModel, layout: Layout, stage: StageShape, seq_
     a = precision.compute_bytes
     tokens = layout.microbatch_size * seq_len / layout.cp  # per microbatch on this rank
     hidden = tokens * shape.dim * a
-    blocks = [cached_block_params(shape, layer) for layer in stage.block_ids]
-    roots = shape.root_params(stage.first, stage.last)
-    matrices = sum(local_numel([p for p in b if not p.expert and len(p.shape) >= 2], layout, fsdp=1) for b in blocks)
-    vectors = sum(local_numel([p for p in b if not p.expert and len(p.shape) < 2], layout, fsdp=1) for b in blocks)
+    roots = cached_root_params(shape, stage.first, stage.last)
+    # Equal blocks are one object (cached_block_params): each kind is counted once, then multiplied.
+    counts = Counter(id(cached_block_params(shape, layer)) for layer in stage.block_ids)
+    kinds = {id(cached_block_params(shape, layer)): cached_block_params(shape, layer) for layer in stage.block_ids}
+    matrices = vectors = expert_elems = muon = 0
+    for key, block in kinds.items():
+        parts = _block_parts(block)
+        n = counts[key]
+        matrices += n * local_numel(parts[0], layout, fsdp=1)
+        vectors += n * local_numel(parts[1], layout, fsdp=1)
+        expert_elems += n * local_numel(parts[2], layout, fsdp=layout.ep)
+        if layout.optimizer == "Muon":
+            muon += n * local_numel(parts[3], layout)
     root_elems = local_numel(roots, layout, fsdp=1)
     dense_elems = matrices + vectors + root_elems
-    expert_elems = sum(local_numel([p for p in b if p.expert], layout, fsdp=layout.ep) for b in blocks)
     m = layout.microbatches
     out = dict.fromkeys(COMM_DIMS, 0.0)
 
@@ -103,10 +131,8 @@ def _stage_comm_bytes(shape: ShapeModel, layout: Layout, stage: StageShape, seq_
     dense_volume = gather_bytes + dense_elems * precision.reduce_dtype_bytes
     expert_volume = expert_elems * (gathers * a + precision.reduce_dtype_bytes)
     fsdp_volume = _ring(layout.fsdp) * dense_volume + _ring(layout.expert_fsdp) * expert_volume
-    if layout.optimizer == "Muon":
-        # Each rank sends its shard of every Muon matrix to the matrix's owner and gets its piece of the result back.
-        muon = sum(local_numel([p for p in b if len(p.shape) >= 2 and not p.adamw], layout) for b in blocks)
-        fsdp_volume += 2 * _ring(layout.fsdp) * muon * MUON_NS_BYTES
+    # Muon: each rank sends its shard of every Muon matrix to the matrix's owner and gets its piece of the result back.
+    fsdp_volume += 2 * _ring(layout.fsdp) * muon * MUON_NS_BYTES
     if layout.cp > 1:  # the shard group spans both dims; book it where most of its ranks are
         share = layout.cp / (layout.cp + layout.dp_shard)
         out["cp"] += fsdp_volume * share
@@ -131,7 +157,7 @@ def _stage_comm_bytes(shape: ShapeModel, layout: Layout, stage: StageShape, seq_
     exchanges = sum(
         4 + 2 * (mode in ("full", "selective_op"))
         for layer, mode in zip(stage.block_ids, layout.block_ac_modes(stage.block_ids))
-        if shape.is_moe_block(layer)
+        if is_moe_block(shape, layer)
     )
     out["ep"] += m * exchanges * _ring(layout.ep) * hidden * shape.top_k
     # PP: each microbatch's activations forward and their gradients backward cross a stage boundary.

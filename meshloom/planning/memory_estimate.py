@@ -230,6 +230,17 @@ def cached_block_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]
     return _BLOCK_KINDS.setdefault(params, params)
 
 
+@functools.lru_cache(maxsize=256)
+def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[ParamShape, ...]:
+    """The embedding, output and whatever else the family keeps at the ends of a stage, kept like the blocks'."""
+    return tuple(shape.root_params(first, last))
+
+
+@functools.lru_cache(maxsize=4096)
+def is_moe_block(shape: ShapeModel, layer: int) -> bool:
+    return any(p.expert for p in cached_block_params(shape, layer))
+
+
 def estimate_memory(
     shape: ShapeModel,
     layout: Layout,
@@ -269,7 +280,7 @@ def estimate_memory(
         sharded = {i: local_numel(block, layout) for i, block in kinds.items()}
         whole = {i: local_numel(block, layout, fsdp=1) for i, block in kinds.items()}
         state = {i: optimizer_state_numel(block, layout, optimizer) for i, block in kinds.items()}
-        roots = shape.root_params(stage.first, stage.last)
+        roots = cached_root_params(shape, stage.first, stage.last)
         param_elems = sum(sharded[id(block)] for block in blocks) + local_numel(roots, layout)
         gathered_blocks = sorted((whole[id(block)] for block in blocks), reverse=True)
         full_elems = sum(gathered_blocks) + local_numel(roots, layout, fsdp=1)  # unsharded over FSDP
@@ -307,11 +318,12 @@ def estimate_memory(
         # the blocks after j are freed by then, j's recomputed activations live (largest for the last such j).
         others = (stage.inflight - 1) * tokens * (sum(per_layer) + per_root)
         first_side = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False) + held_output
-        recompute_peak = 0.0
-        for j, (layer, mode) in enumerate(zip(stage.block_ids, modes)):
+        recompute_peak, kept_so_far = 0.0, 0.0
+        for layer, mode, kept in zip(stage.block_ids, modes, per_layer):
+            kept_so_far += kept
             if mode != "none":
                 recompute = _recompute_peak(shape, layer, mode, layout.tp, a)
-                recompute_peak = max(recompute_peak, others + tokens * (sum(per_layer[: j + 1]) + first_side + recompute))
+                recompute_peak = max(recompute_peak, others + tokens * (kept_so_far + first_side + recompute))
         # Without a pipeline, the fp32 logits live next to their log-softmax until the loss is taken.
         loss_logits = logits if layout.pp == 1 else 0.0
         activations = int(max(saved + tokens * loss_logits, recompute_peak))

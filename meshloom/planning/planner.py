@@ -7,8 +7,9 @@ local batch times more accumulation steps), the activation-checkpointing mode, A
 layout it reports was built by `RunPlan.build` from the settings its recipe carries, as `meshloom train` builds
 it, so a plan never proposes what the trainer refuses, and `layout_of(plan)` is the layout it estimates.
 
-A candidate is first estimated in its most frugal variant (full checkpointing, Muon, Float8); when even that does
-not fit, its other variants are skipped unseen.
+Each structure (degrees, schedule, microbatching) is first estimated in its most frugal variant (full
+checkpointing, Muon, Float8); when even that does not fit, its other variants are skipped unseen. Otherwise the
+fastest of its variants (AC mode x optimizer x Float8) that fits stands for it (`_fastest_fitting_variant`).
 """
 
 from __future__ import annotations
@@ -123,11 +124,31 @@ def _pipeline_microbatches(microbatches: int, stages: int) -> list[int]:
     return sorted({fitting[0], fitting[-1]}) if fitting else []
 
 
-def _variants(layout: Layout, space: SearchSpace) -> Iterator[Layout]:
-    for ac in space.ac_modes:
-        for optimizer in space.optimizers:
-            for float8 in space.float8:
-                yield dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=float8)
+# Fastest first: checkpointing adds recomputation (and selective_op its memory-bound ops), never removes work.
+AC_SPEED_ORDER = ("none", "selective_op", "full")
+
+
+def _fastest_fitting_variant(
+    shape: ShapeModel, layout: Layout, space: SearchSpace, seq_len: int, precision: Precision, cluster: Cluster
+) -> Candidate | None:
+    """Of one structure's variants (AC mode x optimizer x Float8), the fastest that fits: only it can rank, since a
+    faster one that fits would beat it and a slower one never ranks above it.
+
+    Float8 is faster and smaller than bf16, so it is the one tried when allowed. For each optimizer the AC modes are
+    tried fastest first up to the first that fits; the optimizers' winners are then timed against each other (Muon's
+    Newton-Schulz time against the recomputation AdamW's extra memory may force)."""
+    float8 = max(space.float8)
+    best = None
+    for optimizer in space.optimizers:
+        for ac in (mode for mode in AC_SPEED_ORDER if mode in space.ac_modes):
+            variant = dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=float8)
+            memory = estimate_memory(shape, variant, seq_len, precision)
+            if memory.peak <= cluster.usable_bytes:
+                time = step_time(shape, variant, seq_len, precision, cluster)
+                if best is None or time.step < best.time.step:
+                    best = Candidate(variant, memory, time)
+                break
+    return best
 
 
 def _build(base: Config, layout: Layout, gpus: int, search: _Search) -> Layout | None:
@@ -170,10 +191,9 @@ def search_layouts(
         built = _build(base, structure, cluster.gpus, search)
         if built is None:
             continue
-        for layout in _variants(built, space):
-            memory = estimate_memory(shape, layout, seq_len, precision)
-            if memory.peak <= usable:
-                candidates.append(Candidate(layout, memory, step_time(shape, layout, seq_len, precision, cluster)))
+        best = _fastest_fitting_variant(shape, built, space, seq_len, precision, cluster)
+        if best is not None:
+            candidates.append(best)
     return candidates, search
 
 
