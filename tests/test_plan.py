@@ -106,7 +106,7 @@ def test_plan_writes_a_config_that_loads_back_to_the_same_layout(tmp_path, capsy
 def test_plan_bad_input_names_the_fix(capsys):
     with pytest.raises(ValueError, match=r"at least [0-9.]+ GiB"):
         plan("405B", Cluster(gpus=8, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=8)
-    with pytest.raises(ValueError, match="data-parallel degree must divide it"):
+    with pytest.raises(ValueError, match="data-parallel degree must divide the batch"):
         plan("tiny", Cluster(gpus=16, gpus_per_node=8, memory_gib=80), seq_len=256, global_batch=1)
     with pytest.raises(ValueError, match="whole number of 8-GPU nodes"):
         plan("8B", Cluster(gpus=12, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=12)

@@ -1,7 +1,7 @@
 """`meshloom plan`: rank the layouts of a GPU cluster by estimated step time; write the best as a TOML recipe.
 
-    meshloom plan --flavor 405B --gpus 512 --gpus-per-node 8 --gpu-memory-gib 80 --interconnect nvlink_ib \\
-        --seq-len 8192 --global-batch 256 --output layout.toml
+    meshloom plan --model deepseek_v3 --flavor 671B --gpus 1024 --gpus-per-node 8 --gpu-memory-gib 80 \\
+        --seq-len 4096 --global-batch 4096 --output layout.toml
 
 The estimates and the search are `meshloom.planning.planner`'s; this is the command line around them.
 """
@@ -9,19 +9,33 @@ The estimates and the search are `meshloom.planning.planner`'s; this is the comm
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from meshloom.config.errors import UserError
-from meshloom.planning.memory_estimate import GIB
-from meshloom.planning.planner import INTERCONNECTS, Cluster, format_table, layout_toml, plan
+from meshloom.planning.layout import AC_MODES
+from meshloom.planning.memory_estimate import OPTIMIZERS
+from meshloom.planning.plan_report import format_table, layout_toml, recipe_note
+from meshloom.planning.planner import PLAN_SCHEDULES, SearchSpace, plan
+from meshloom.planning.step_time import INTERCONNECTS, Cluster
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    chosen = tuple(filter(None, (item.strip() for item in text.split(","))))
+    unknown = [item for item in chosen if item not in allowed]
+    if unknown or not chosen:
+        raise UserError(f"{flag} {text!r}: choose a comma-separated list from {', '.join(allowed)}")
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="meshloom plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3", help="model family (model.name), e.g. llama3")
+    parser.add_argument("--model", default="llama3", help="model family (model.name), e.g. llama3, qwen3, deepseek_v3")
     parser.add_argument("--flavor", required=True, help="the family's flavour, e.g. llama3's 8B, 70B, 405B")
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs; the plan uses exactly this many")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
     parser.add_argument("--interconnect", default="nvlink_ib", choices=sorted(INTERCONNECTS))
@@ -30,29 +44,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mfu", type=float, default=0.4, help="share of peak FLOP/s the compute reaches")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU")
     parser.add_argument("--headroom", type=float, default=0.9, help="usable share of GPU memory")
-    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--ac", default=",".join(AC_MODES), help="activation-checkpointing modes to try")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="optimizers to try (optimizer.name)")
+    parser.add_argument("--float8", default="both", choices=("both", "on", "off"), help="whether to try Float8")
+    parser.add_argument("--schedules", default=",".join(PLAN_SCHEDULES), help="pipeline schedules to try")
+    parser.add_argument("--split-points", default="", help="pipeline.split_points every pipelined layout must use")
+    parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--output", type=Path, help="write the best layout as a TOML recipe here")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     opts = parser.parse_args(argv)
-    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch"):
-        if getattr(opts, name) <= 0:
-            print(f"meshloom plan: error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
-            return 2
-    if not 0 < opts.mfu <= 1 or not 0 < opts.headroom <= 1:
-        print("meshloom plan: error: --mfu and --headroom must lie in (0, 1]", file=sys.stderr)
-        return 2
-    cluster = Cluster(opts.gpus, opts.gpus_per_node, opts.gpu_memory_gib, opts.interconnect, opts.peak_tflops, opts.mfu, opts.headroom)
     try:
-        candidates = plan(opts.flavor, cluster, opts.seq_len, opts.global_batch, model=opts.model)
+        for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "top"):
+            if getattr(opts, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
+        if not 0 < opts.mfu <= 1 or not 0 < opts.headroom <= 1:
+            raise UserError("--mfu and --headroom must lie in (0, 1]")
+        if opts.output is not None and opts.output.exists() and not opts.overwrite:
+            raise UserError(f"--output {opts.output} exists; pass --overwrite to replace it or choose another path")
+        space = SearchSpace(
+            _choices(opts.ac, AC_MODES, "--ac"),
+            _choices(opts.optimizers, OPTIMIZERS, "--optimizers"),
+            {"both": (False, True), "on": (True,), "off": (False,)}[opts.float8],
+            _choices(opts.schedules, PLAN_SCHEDULES, "--schedules"),
+            opts.split_points,
+        )
+        cluster = Cluster(opts.gpus, opts.gpus_per_node, opts.gpu_memory_gib, opts.interconnect, opts.peak_tflops, opts.mfu, opts.headroom)
+        start = time.perf_counter()
+        candidates = plan(opts.flavor, cluster, opts.seq_len, opts.global_batch, model=opts.model, space=space)
     except UserError as err:
-        print(f"meshloom plan: error: {err}", file=sys.stderr)
+        print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
-    print(f"{opts.model} {opts.flavor} on {opts.gpus} x {opts.gpu_memory_gib:g} GiB ({opts.interconnect}), seq {opts.seq_len}, "
-          f"global batch {opts.global_batch}: {len(candidates)} layouts fit; fastest first")
+    print(
+        f"{opts.model} {opts.flavor} on {opts.gpus} x {opts.gpu_memory_gib:g} GiB ({opts.interconnect}), seq {opts.seq_len}, "
+        f"global batch {opts.global_batch}, MFU {opts.mfu:g} of {opts.peak_tflops:g} TFLOP/s: {len(candidates)} layouts fit "
+        f"(searched in {time.perf_counter() - start:.1f} s); fastest first"
+    )
     print(format_table(candidates, opts.top))
     if opts.output is not None:
-        best = candidates[0]
-        note = (f"meshloom plan: {best.layout.describe()}, estimated peak {best.memory.peak / GIB:.1f} GiB, "
-                f"step {best.step_s:.3f} s on {opts.gpus} GPUs")
-        opts.output.write_text(layout_toml(opts.model, opts.flavor, best.layout, opts.seq_len, note))
+        command = "meshloom plan " + shlex.join(a for a in argv if a != "--overwrite")
+        note = recipe_note(candidates[0], opts.gpus, command)
+        opts.output.parent.mkdir(parents=True, exist_ok=True)
+        opts.output.write_text(layout_toml(opts.model, opts.flavor, candidates[0].layout, opts.seq_len, note))
         print(f"wrote {opts.output}")
     return 0

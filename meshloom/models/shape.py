@@ -8,6 +8,7 @@ token under each activation-checkpointing mode, and its attention FLOPs. Everyth
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -31,6 +32,14 @@ class ParamShape:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    # The planner hashes the same parameters millions of times (as cache keys): hash the fields once.
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.shape, self.tp_dim, self.expert, self.adamw))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 class ShapeModel(ABC):

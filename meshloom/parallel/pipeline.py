@@ -98,7 +98,7 @@ class PipelinePlan:
         return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
 
 
-def _parse_split_points(text: str, n_layers: int) -> list[int]:
+def parse_split_points(text: str, n_layers: int) -> list[int]:
     """ "3,6" or "layers.3,layers.6" -> [3, 6]; each must name an existing layer."""
     points = []
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -112,7 +112,7 @@ def _parse_split_points(text: str, n_layers: int) -> list[int]:
     return points
 
 
-def _even_split(n_layers: int, num_stages: int, pp: int, stages_per_rank: int) -> list[int]:
+def even_stage_split(n_layers: int, num_stages: int, pp: int, stages_per_rank: int) -> list[int]:
     """Layer counts per stage, as even as possible; leftovers go to middle stages first, since the first and the
     last stage also hold the embedding and the output projection."""
     if n_layers < num_stages:
@@ -130,9 +130,9 @@ def _even_split(n_layers: int, num_stages: int, pp: int, stages_per_rank: int) -
 
 def _stage_layers(config: PipelineConfig, n_layers: int, pp: int, stages_per_rank: int) -> list[tuple[int, ...]]:
     num_stages = pp * stages_per_rank
-    points = _parse_split_points(config.split_points, n_layers)
+    points = parse_split_points(config.split_points, n_layers)
     if not points:
-        counts = _even_split(n_layers, num_stages, pp, stages_per_rank)
+        counts = even_stage_split(n_layers, num_stages, pp, stages_per_rank)
         starts = [sum(counts[:i]) for i in range(num_stages)]
     else:
         if len(points) != num_stages - 1:

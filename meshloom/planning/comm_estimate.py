@@ -6,9 +6,24 @@ over n ranks sends (n - 1)/n of the full tensor, an all-reduce twice that.
 
 from __future__ import annotations
 
-from meshloom.models.shape import ShapeModel
+import functools
+from collections import Counter
+
+from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import Layout, Precision
-from meshloom.planning.memory_estimate import local_numel, pipeline_stages
+from meshloom.planning.memory_estimate import (
+    FLOAT8,
+    StageShape,
+    cached_block_params,
+    cached_root_params,
+    is_moe_block,
+    local_numel,
+    pipeline_stages,
+)
+
+# Newton-Schulz iterations per Muon update (optimizer.muon_ns_steps' default) and the bytes of its dtype (bf16).
+MUON_NS_STEPS = 5
+MUON_NS_BYTES = 2
 
 COMM_DIMS = ("tp", "cp", "dp_shard", "dp_replicate", "pp", "ep")
 
@@ -24,31 +39,100 @@ def step_flops(shape: ShapeModel, layout: Layout, seq_len: int) -> tuple[float, 
     matmul and attention output, so it recomputes no matmul FLOPs.
     """
     tokens = layout.microbatch_size * layout.microbatches * layout.dp * seq_len
-    model = shape.flops_per_token(seq_len) * tokens / layout.world_size
+    per_token, recompute = _flops_per_token(shape, seq_len)
+    model = per_token * tokens / layout.world_size
     executed = model
     if layout.ac == "full":
-        executed += shape.recompute_flops_per_token(seq_len) * tokens / layout.world_size
+        executed += recompute * tokens / layout.world_size
     return model, executed
 
 
+@functools.lru_cache(maxsize=64)
+def _flops_per_token(shape: ShapeModel, seq_len: int) -> tuple[float, float]:
+    """(training, full checkpointing's recomputation) FLOPs per token: fixed for a model, asked for per layout."""
+    return shape.flops_per_token(seq_len), shape.recompute_flops_per_token(seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_parts(block: tuple[ParamShape, ...]) -> tuple[tuple[ParamShape, ...], ...]:
+    """A block's dense matrices, dense vectors, expert stacks, and the matrices Muon updates."""
+    return (
+        tuple(p for p in block if not p.expert and len(p.shape) >= 2),
+        tuple(p for p in block if not p.expert and len(p.shape) < 2),
+        tuple(p for p in block if p.expert),
+        tuple(p for p in block if len(p.shape) >= 2 and not p.adamw),
+    )
+
+
+def _distinct_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
+    """One pipeline rank of each kind (equal blocks, same ends): the others move the same bytes."""
+    kinds = {}
+    for stage in pipeline_stages(shape, layout):
+        key = (tuple(id(cached_block_params(shape, layer)) for layer in stage.block_ids), stage.first, stage.last)
+        kinds.setdefault(key, stage)
+    return list(kinds.values())
+
+
+def muon_flops(shape: ShapeModel, layout: Layout) -> float:
+    """Newton-Schulz FLOPs per rank per optimizer step under Muon (0 under AdamW): each iteration on an m x n matrix
+    (m <= n) is X X^T, a polynomial in it and its product with X, 4m^2 n + 2m^3 multiply-adds x 2. The matrices of
+    one pipeline stage are shared out over its ranks (meshloom/train/orthogonalize.py balances them)."""
+    if layout.optimizer != "Muon":
+        return 0.0
+    busiest = max(sum(_muon_block_flops(shape, layer) for layer in stage.block_ids) for stage in _distinct_stages(shape, layout))
+    return busiest * layout.pp / layout.world_size
+
+
+@functools.lru_cache(maxsize=4096)
+def _muon_block_flops(shape: ShapeModel, layer: int) -> float:
+    total = 0.0
+    for p in cached_block_params(shape, layer):
+        if len(p.shape) < 2 or p.adamw:
+            continue
+        count = p.shape[0] if len(p.shape) == 3 else 1
+        m, n = sorted(p.shape[-2:])
+        total += count * MUON_NS_STEPS * 2 * (4 * m * m * n + 2 * m**3)
+    return total
+
+
 def step_comm_bytes(shape: ShapeModel, layout: Layout, seq_len: int, precision: Precision = Precision()) -> dict[str, float]:
-    """Bytes sent per rank per step, by mesh dimension, for the busiest pipeline stage."""
+    """Bytes sent per rank per step, by mesh dimension: in each dimension, the most any pipeline rank sends."""
+    per_stage = [_stage_comm_bytes(shape, layout, stage, seq_len, precision) for stage in _distinct_stages(shape, layout)]
+    return {dim: max(volume[dim] for volume in per_stage) for dim in COMM_DIMS}
+
+
+def _stage_comm_bytes(shape: ShapeModel, layout: Layout, stage: StageShape, seq_len: int, precision: Precision) -> dict[str, float]:
     a = precision.compute_bytes
     tokens = layout.microbatch_size * seq_len / layout.cp  # per microbatch on this rank
     hidden = tokens * shape.dim * a
-    stage = max(pipeline_stages(shape, layout), key=lambda s: s.layers + s.first + s.last)
-    blocks = [shape.block_params(layer) for layer in stage.block_ids]
-    roots = shape.root_params(stage.first, stage.last)
-    dense_elems = sum(local_numel([p for p in b if not p.expert], layout, fsdp=1) for b in blocks)
-    dense_elems += local_numel(roots, layout, fsdp=1)
-    expert_elems = sum(local_numel([p for p in b if p.expert], layout, fsdp=layout.ep) for b in blocks)
+    roots = cached_root_params(shape, stage.first, stage.last)
+    # Equal blocks are one object (cached_block_params): each kind is counted once, then multiplied.
+    counts = Counter(id(cached_block_params(shape, layer)) for layer in stage.block_ids)
+    kinds = {id(cached_block_params(shape, layer)): cached_block_params(shape, layer) for layer in stage.block_ids}
+    matrices = vectors = expert_elems = muon = 0
+    for key, block in kinds.items():
+        parts = _block_parts(block)
+        n = counts[key]
+        matrices += n * local_numel(parts[0], layout, fsdp=1)
+        vectors += n * local_numel(parts[1], layout, fsdp=1)
+        expert_elems += n * local_numel(parts[2], layout, fsdp=layout.ep)
+        if layout.optimizer == "Muon":
+            muon += n * local_numel(parts[3], layout)
+    root_elems = local_numel(roots, layout, fsdp=1)
+    dense_elems = matrices + vectors + root_elems
     m = layout.microbatches
     out = dict.fromkeys(COMM_DIMS, 0.0)
 
     # FSDP over dp_shard x cp (experts: over what ep leaves of it): gather weights for forward and again for
-    # backward on every microbatch, reduce-scatter gradients once per step.
-    per_elem = 2 * m * a + precision.reduce_dtype_bytes
-    fsdp_volume = _ring(layout.fsdp) * dense_elems * per_elem + _ring(layout.expert_fsdp) * expert_elems * per_elem
+    # backward on every microbatch (once when they stay gathered in between), reduce-scatter gradients once per
+    # step. Float8 gathers the blocks' matrices in float8.
+    gathers = 2 * m if layout.reshard_after_forward else m
+    gather_bytes = gathers * ((FLOAT8 if layout.float8 else a) * matrices + a * (vectors + root_elems))
+    dense_volume = gather_bytes + dense_elems * precision.reduce_dtype_bytes
+    expert_volume = expert_elems * (gathers * a + precision.reduce_dtype_bytes)
+    fsdp_volume = _ring(layout.fsdp) * dense_volume + _ring(layout.expert_fsdp) * expert_volume
+    # Muon: each rank sends its shard of every Muon matrix to the matrix's owner and gets its piece of the result back.
+    fsdp_volume += 2 * _ring(layout.fsdp) * muon * MUON_NS_BYTES
     if layout.cp > 1:  # the shard group spans both dims; book it where most of its ranks are
         share = layout.cp / (layout.cp + layout.dp_shard)
         out["cp"] += fsdp_volume * share
@@ -73,7 +157,7 @@ def step_comm_bytes(shape: ShapeModel, layout: Layout, seq_len: int, precision: 
     exchanges = sum(
         4 + 2 * (mode in ("full", "selective_op"))
         for layer, mode in zip(stage.block_ids, layout.block_ac_modes(stage.block_ids))
-        if shape.is_moe_block(layer)
+        if is_moe_block(shape, layer)
     )
     out["ep"] += m * exchanges * _ring(layout.ep) * hidden * shape.top_k
     # PP: each microbatch's activations forward and their gradients backward cross a stage boundary.

@@ -3,11 +3,13 @@ the conversions between a run's settings and a layout."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
+from meshloom.parallel.pipeline import even_stage_split
 
 if TYPE_CHECKING:
     from meshloom.planning.run_plan import RunPlan
@@ -39,6 +41,21 @@ class Layout:
     every_k_layers: int = 1
     # Expert parallel: borrows its ranks from dp_shard x cp (it adds none to the world size).
     ep: int = 1
+    # Model stages on each pipeline rank (pipeline.stages_per_rank as the plan resolved it).
+    stages_per_rank: int = 1
+    # Blocks of each pipeline stage, in stage order (pipeline.split_points, or the even split); () = the even split
+    # of meshloom.parallel.pipeline.
+    stage_layer_counts: tuple[int, ...] = ()
+    # Optimizer steps are cut into this many pipeline steps (or forward/backward passes when pp = 1) per data-parallel
+    # rank; `microbatches` counts them all (pipeline microbatches x grad_accum_steps).
+    grad_accum_steps: int = 1
+    # optimizer.name: AdamW keeps two moments per parameter, Muon one momentum buffer per hidden matrix.
+    optimizer: str = "AdamW"
+    # float8.enable: the blocks' linear layers in float8 (tensorwise, weights all-gathered in float8 under FSDP).
+    float8: bool = False
+    # FSDP frees a block's gathered weights after its forward (False: kept to the end of backward, as the
+    # zero-bubble pipeline schedules require).
+    reshard_after_forward: bool = True
 
     @property
     def world_size(self) -> int:
@@ -58,11 +75,26 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches of one pipeline step (or of one forward/backward pass when pp = 1: 1)."""
+        return self.microbatches // self.grad_accum_steps
+
+    @property
+    def local_batch_size(self) -> int:
+        """training.local_batch_size: sequences one pipeline step (or one forward) takes on a data-parallel rank."""
+        return self.microbatch_size * self.pipeline_microbatches
+
     def describe(self) -> str:
         names = ("dp_replicate", "dp_shard", "tp", "pp", "cp") + (("ep",) if self.ep > 1 else ())
         degrees = [f"{name}={getattr(self, name)}" for name in names]
         ac = f"{self.ac}(k={self.every_k_layers})" if self.ac == "selective_layer" else self.ac
-        return ",".join(degrees) + f" ac={ac} mbs={self.microbatch_size}x{self.microbatches}"
+        text = ",".join(degrees) + f" ac={ac} mbs={self.microbatch_size}x{self.microbatches}"
+        if self.pp > 1:
+            text += f" {self.pipeline_schedule}"
+        if self.optimizer != "AdamW":
+            text += f" {self.optimizer}"
+        return text + (" float8" if self.float8 else "")
 
     def block_ac_modes(self, block_ids: range) -> list[str]:
         """The checkpointing mode of each block, by its index in the whole model (the rule of
@@ -93,15 +125,21 @@ def layout_of(plan: RunPlan) -> Layout:
             f"activation_checkpoint.mode = {ac!r} has no memory model; estimates cover {', '.join(ESTIMATED_AC_MODES)}"
         )
     every_k_layers = config.activation_checkpoint.every_k_layers if ac == "selective_layer" else 1
-    if plan.pipeline is not None:
-        microbatch_size = config.training.local_batch_size // plan.pipeline.microbatches
-        microbatches = plan.pipeline.microbatches * plan.grad_accum_steps
-        schedule = plan.pipeline.schedule
+    pipe = plan.pipeline
+    reshard = config.parallelism.fsdp_reshard_after_forward != "never"
+    if pipe is not None:
+        microbatch_size = config.training.local_batch_size // pipe.microbatches
+        microbatches = pipe.microbatches * plan.grad_accum_steps
+        schedule, stages_per_rank = pipe.schedule, pipe.stages_per_rank
+        counts = tuple(len(layers) for layers in pipe.stage_layers)
+        reshard = pipe.fsdp_reshard_after_forward != "never"
     else:
         microbatch_size, microbatches, schedule = config.training.local_batch_size, plan.grad_accum_steps, "1F1B"
+        stages_per_rank, counts = 1, ()
     return Layout(
         dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ac, microbatch_size, microbatches, schedule,
-        every_k_layers, dims.ep,
+        every_k_layers, dims.ep, stages_per_rank, counts, plan.grad_accum_steps, config.optimizer.name,
+        config.float8.enable, reshard,
     )  # fmt: skip
 
 
@@ -121,14 +159,33 @@ def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
             "cp": layout.cp,
             "ep": layout.ep,
         },
-        "training": {"global_batch_size": layout.microbatch_size * layout.microbatches * layout.dp},
+        "training": {
+            "local_batch_size": layout.local_batch_size,
+            "global_batch_size": layout.microbatch_size * layout.microbatches * layout.dp,
+        },
+        "optimizer": {"name": layout.optimizer},
         "activation_checkpoint": {"mode": layout.ac},
+        "float8": {"enable": layout.float8},
     }
     if layout.ac == "selective_layer":
         settings["activation_checkpoint"]["every_k_layers"] = layout.every_k_layers
     if layout.pp > 1:
-        settings["training"]["local_batch_size"] = layout.microbatch_size * layout.microbatches
-        settings["pipeline"] = {"schedule": layout.pipeline_schedule, "microbatches": layout.microbatches}
-    else:
-        settings["training"]["local_batch_size"] = layout.microbatch_size
+        pipeline: dict[str, object] = {
+            "schedule": layout.pipeline_schedule,
+            "microbatches": layout.pipeline_microbatches,
+            "stages_per_rank": layout.stages_per_rank,
+        }
+        counts = list(layout.stage_layer_counts)
+        if counts and counts != even_stage_split(sum(counts), len(counts), layout.pp, layout.stages_per_rank):
+            starts = [sum(layout.stage_layer_counts[:i]) for i in range(1, len(layout.stage_layer_counts))]
+            pipeline["split_points"] = ",".join(map(str, starts))
+        settings["pipeline"] = pipeline
     return settings
+
+
+def layout_config(base: Config, layout: Layout) -> Config:
+    """`base` with the settings of `layout` (those of `layout_settings`), without parsing any text."""
+    sections = {}
+    for name, values in layout_settings(layout).items():
+        sections[name] = dataclasses.replace(getattr(base, name), **values)
+    return dataclasses.replace(base, **sections)

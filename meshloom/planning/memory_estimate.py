@@ -33,11 +33,14 @@ from dataclasses import dataclass, fields
 
 from meshloom.config.errors import UserError
 from meshloom.models.shape import ParamShape, ShapeModel
+from meshloom.parallel.pipeline import even_stage_split
 from meshloom.planning.layout import FP32, Layout, Precision
 
 ADAM_MOMENTS = 2
 MUON_MOMENTS = 1
 OPTIMIZERS = ("AdamW", "Muon")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+FLOAT8 = 1
 GIB = 2**30
 
 
@@ -52,9 +55,11 @@ class MemoryEstimate:
     activations: int
     transient: int
     peak: int
+    # The pipeline rank these bytes are for (the busiest one unless a rank was asked for).
+    stage: int = 0
 
     def gib(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) / GIB for f in fields(self)}
+        return {f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name != "stage"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -104,46 +109,65 @@ def optimizer_state_numel(shapes: list[ParamShape], layout: Layout, optimizer: s
     return MUON_MOMENTS * local_numel(muon, layout) + ADAM_MOMENTS * local_numel(adamw, layout)
 
 
-def stage_layer_counts(n_layers: int, pp: int) -> list[int]:
-    """Blocks per pipeline stage for an even split; leftovers go to the middle stages first, since the first
-    and last stages also hold the embedding and the output (as meshloom.parallel.pipeline splits them)."""
-    counts = [n_layers // pp] * pp
-    order = list(range(1, pp - 1)) + [0, pp - 1] if pp > 1 else [0]
-    for stage in order[: n_layers % pp]:
-        counts[stage] += 1
-    return counts
+def stage_layer_counts(n_layers: int, pp: int, stages_per_rank: int = 1) -> list[int]:
+    """Blocks per pipeline stage for an even split, as meshloom.parallel.pipeline makes it."""
+    return even_stage_split(n_layers, pp * stages_per_rank, pp, stages_per_rank)
 
 
 @dataclass(frozen=True)
 class StageShape:
-    """What one pipeline rank holds (the whole model when pp = 1)."""
+    """What one pipeline rank holds (the whole model when pp = 1): the blocks of its stages."""
 
-    layers: int
+    block_ids: tuple[int, ...]
     first: bool
     last: bool
-    # Microbatches whose activations this rank holds at its peak.
-    inflight: int
-    # Index of the stage's first block in the whole model.
-    first_layer: int = 0
+    # Microbatches whose activations (through all of this rank's blocks) it holds at its peak; fractional for
+    # interleaved schedules, whose rank holds some microbatches in only one of its stages.
+    inflight: float
+    # Pipeline rank.
+    rank: int = 0
 
     @property
-    def block_ids(self) -> range:
-        return range(self.first_layer, self.first_layer + self.layers)
+    def layers(self) -> int:
+        return len(self.block_ids)
+
+
+def _inflight(layout: Layout, rank: int) -> float:
+    """Microbatches a pipeline rank's schedule keeps activations for at once, in units of its whole set of blocks.
+
+    GPipe and LoopedBFS run every forward before any backward. 1F1B warms rank r up with pp - r forwards.
+    Interleaved schedules (v stages per rank) warm up with 2(pp - r - 1) + (v - 1)pp + 1 stage-sized forwards, each
+    1/v of the rank's blocks. The V schedules balance it: ZBVZeroBubble holds pp on every rank (1F1B's rank 0),
+    DualPipeV pp + 1.
+    """
+    m, pp, v = layout.pipeline_microbatches, layout.pp, layout.stages_per_rank
+    if pp == 1:
+        return 1  # gradient accumulation finishes each microbatch's backward before the next forward
+    schedule = layout.pipeline_schedule
+    if schedule in ("GPipe", "LoopedBFS"):
+        return m
+    if schedule == "ZBVZeroBubble":
+        return min(m, pp)
+    if schedule == "DualPipeV":
+        return min(m, pp + 1)
+    if v > 1:
+        return min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
+    return min(m, pp - rank)
 
 
 def pipeline_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
-    counts = stage_layer_counts(shape.n_layers, layout.pp)
-    stages = []
-    for stage, layers in enumerate(counts):
-        if layout.pp == 1:
-            inflight = 1  # gradient accumulation finishes each microbatch's backward before the next forward
-        elif layout.pipeline_schedule == "GPipe":
-            inflight = layout.microbatches  # all forwards, then all backwards
-        else:
-            # 1F1B family: stage s warms up with pp - s forwards before its first backward.
-            inflight = min(layout.microbatches, layout.pp - stage)
-        stages.append(StageShape(layers, stage == 0, stage == layout.pp - 1, inflight, sum(counts[:stage])))
-    return stages
+    """One StageShape per pipeline rank, its stages placed as meshloom.parallel.pipeline places them (looped:
+    stage s on rank s % pp; V schedules: stages r and 2pp - 1 - r on rank r)."""
+    counts = list(layout.stage_layer_counts) or stage_layer_counts(shape.n_layers, layout.pp, layout.stages_per_rank)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    v_shaped = layout.pipeline_schedule in V_SCHEDULES and layout.pp > 1
+    ranks = []
+    for rank in range(layout.pp):
+        stage_ids = [rank, 2 * layout.pp - 1 - rank] if v_shaped else list(range(rank, len(counts), layout.pp))
+        blocks = tuple(layer for s in sorted(stage_ids) for layer in range(starts[s], starts[s] + counts[s]))
+        first, last = 0 in stage_ids, len(counts) - 1 in stage_ids
+        ranks.append(StageShape(blocks, first, last, _inflight(layout, rank), rank))
+    return ranks
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,14 +214,31 @@ def root_activation_bytes_per_token(
 # ---------------------------------------------------------------------------------------------------------
 
 
+# The planner asks for the same blocks' bytes for thousands of layouts.
+_block_activation = functools.lru_cache(maxsize=65536)(
+    lambda shape, layer, mode, tp, a: shape.block_activation_bytes_per_token(layer, mode, tp, a)
+)
+_recompute_peak = functools.lru_cache(maxsize=65536)(recompute_peak_bytes_per_token)
+
 _BLOCK_KINDS: dict[tuple[ParamShape, ...], tuple[ParamShape, ...]] = {}
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
+def cached_block_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
     """A block's parameters, kept (a shape model is fixed once built), and the same object for equal blocks."""
     params = tuple(shape.block_params(layer))
     return _BLOCK_KINDS.setdefault(params, params)
+
+
+@functools.lru_cache(maxsize=256)
+def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[ParamShape, ...]:
+    """The embedding, output and whatever else the family keeps at the ends of a stage, kept like the blocks'."""
+    return tuple(shape.root_params(first, last))
+
+
+@functools.lru_cache(maxsize=4096)
+def is_moe_block(shape: ShapeModel, layer: int) -> bool:
+    return any(p.expert for p in cached_block_params(shape, layer))
 
 
 def estimate_memory(
@@ -208,10 +249,12 @@ def estimate_memory(
     loss_parallel: bool = True,
     with_optimizer: bool = True,
     stage_index: int | None = None,
-    optimizer: str = "AdamW",
+    optimizer: str | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of the busiest rank of `layout` training the model `shape` describes on `seq_len`-token
-    sequences (or of the ranks of pipeline stage `stage_index`) with `optimizer` (optimizer.name)."""
+    sequences (or of the ranks of pipeline rank `stage_index`) with `optimizer` (optimizer.name; default the
+    layout's)."""
+    optimizer = optimizer or layout.optimizer
     tokens = layout.microbatch_size * seq_len / layout.cp
     a = precision.compute_bytes
     fsdp = layout.fsdp
@@ -220,14 +263,24 @@ def estimate_memory(
 
     best: MemoryEstimate | None = None
     stages = pipeline_stages(shape, layout)
-    for stage in stages if stage_index is None else [stages[stage_index]]:
-        blocks = [_block_params(shape, layer) for layer in stage.block_ids]
-        # Equal blocks are one object (see _block_params): each kind is counted once, then multiplied.
+    if stage_index is None:
+        # Of ranks holding equal blocks and ends, the one with the most microbatches in flight needs the most.
+        kinds_of = {}
+        for stage in stages:
+            key = (tuple(id(cached_block_params(shape, layer)) for layer in stage.block_ids), stage.first, stage.last)
+            if key not in kinds_of or stage.inflight > kinds_of[key].inflight:
+                kinds_of[key] = stage
+        stages = list(kinds_of.values())
+    else:
+        stages = [stages[stage_index]]
+    for stage in stages:
+        blocks = [cached_block_params(shape, layer) for layer in stage.block_ids]
+        # Equal blocks are one object (see cached_block_params): each kind is counted once, then multiplied.
         kinds = {id(block): block for block in blocks}
         sharded = {i: local_numel(block, layout) for i, block in kinds.items()}
         whole = {i: local_numel(block, layout, fsdp=1) for i, block in kinds.items()}
         state = {i: optimizer_state_numel(block, layout, optimizer) for i, block in kinds.items()}
-        roots = shape.root_params(stage.first, stage.last)
+        roots = cached_root_params(shape, stage.first, stage.last)
         param_elems = sum(sharded[id(block)] for block in blocks) + local_numel(roots, layout)
         gathered_blocks = sorted((whole[id(block)] for block in blocks), reverse=True)
         full_elems = sum(gathered_blocks) + local_numel(roots, layout, fsdp=1)  # unsharded over FSDP
@@ -243,8 +296,11 @@ def estimate_memory(
             # set_requires_gradient_sync(False) keeps unsharded gradients between microbatches.
             grads = precision.reduce_dtype_bytes * full_elems
         if sharded_data_parallel:
-            # Two blocks in flight (current + prefetched) and the root's parameters kept for backward.
-            gathered = a * (sum(gathered_blocks[:2]) + local_numel(roots, layout, fsdp=1))
+            # Two blocks in flight (current + prefetched) and the root's parameters kept for backward; every block
+            # when they stay gathered from forward to backward. Float8 gathers the blocks' matrices in float8.
+            block_bytes = FLOAT8 if layout.float8 else a
+            in_flight = gathered_blocks if not layout.reshard_after_forward else gathered_blocks[:2]
+            gathered = block_bytes * sum(in_flight) + a * local_numel(roots, layout, fsdp=1)
         elif precision.mixed_precision == "bf16":
             gathered = 2 * full_elems  # autocast's bf16 weight copies, kept for backward
         else:
@@ -255,20 +311,19 @@ def estimate_memory(
         # that microbatch's backward is done.
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
         modes = layout.block_ac_modes(stage.block_ids)
-        per_layer = [
-            shape.block_activation_bytes_per_token(layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)
-        ]
+        per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
         per_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, ac=layout.ac) + held_output
         saved = stage.inflight * tokens * (sum(per_layer) + per_root)
         # Backward of a checkpointed block j in one microbatch: that microbatch's loss-side activations and
         # the blocks after j are freed by then, j's recomputed activations live (largest for the last such j).
         others = (stage.inflight - 1) * tokens * (sum(per_layer) + per_root)
         first_side = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False) + held_output
-        recompute_peak = 0.0
-        for j, (layer, mode) in enumerate(zip(stage.block_ids, modes)):
+        recompute_peak, kept_so_far = 0.0, 0.0
+        for layer, mode, kept in zip(stage.block_ids, modes, per_layer):
+            kept_so_far += kept
             if mode != "none":
-                recompute = recompute_peak_bytes_per_token(shape, layer, mode, layout.tp, a)
-                recompute_peak = max(recompute_peak, others + tokens * (sum(per_layer[: j + 1]) + first_side + recompute))
+                recompute = _recompute_peak(shape, layer, mode, layout.tp, a)
+                recompute_peak = max(recompute_peak, others + tokens * (kept_so_far + first_side + recompute))
         # Without a pipeline, the fp32 logits live next to their log-softmax until the loss is taken.
         loss_logits = logits if layout.pp == 1 else 0.0
         activations = int(max(saved + tokens * loss_logits, recompute_peak))
@@ -278,7 +333,7 @@ def estimate_memory(
         forward_end = max(int(saved) + transient, activations) + gathered + grads_during_forward
         backward_end = grads + gathered
         peak = params + optimizer_bytes + max(forward_end, backward_end)
-        estimate = MemoryEstimate(params, grads, optimizer_bytes, gathered, activations, transient, peak)
+        estimate = MemoryEstimate(params, grads, optimizer_bytes, gathered, activations, transient, peak, stage.rank)
         if best is None or estimate.peak > best.peak:
             best = estimate
     assert best is not None

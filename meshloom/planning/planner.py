@@ -1,132 +1,213 @@
 """The layout planner behind `meshloom plan`: enumerate the layouts a cluster allows, keep those that fit in memory,
-rank them by step time.
+rank them by step time (`meshloom.planning.step_time`).
 
-Step time is a roofline: the executed FLOPs at `--mfu` of the GPU's peak, plus communication at each mesh
-dimension's link bandwidth (a dimension whose ranks sit in one node uses the intra-node link), plus the
-pipeline bubble. FSDP's gathers and reduce-scatters and HSDP's all-reduce overlap with compute (only what
-exceeds the compute time counts); tensor, context and pipeline traffic sits on the critical path.
+The search covers the parallel degrees (dp_replicate, dp_shard, tp inside a node, cp, pp, and ep for
+mixture-of-experts models), pipeline schedules with their microbatch counts, gradient accumulation (a smaller
+local batch times more accumulation steps), the activation-checkpointing mode, AdamW vs Muon and Float8. Every
+layout it reports was built by `RunPlan.build` from the settings its recipe carries, as `meshloom train` builds
+it, so a plan never proposes what the trainer refuses, and `layout_of(plan)` is the layout it estimates.
+
+Each structure (degrees, schedule, microbatching) is first estimated in its most frugal variant (full
+checkpointing, Muon, Float8); when even that does not fit, its other variants are skipped unseen. Otherwise the
+fastest of its variants (AC mode x optimizer x Float8) that fits stands for it (`_fastest_fitting_variant`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
-from meshloom.models.spec import ModelSpec
-from meshloom.parallel.dims import ParallelDims
-from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
-from meshloom.planning.layout import AC_MODES, Layout, Precision, layout_settings
-from meshloom.planning.memory_estimate import GIB, MemoryEstimate, estimate_memory
+from meshloom.parallel.pipeline import SCHEDULES, parse_split_points
+from meshloom.planning.layout import AC_MODES, Layout, Precision, layout_config, layout_of
+from meshloom.planning.memory_estimate import GIB, OPTIMIZERS, MemoryEstimate, estimate_memory
+from meshloom.planning.run_plan import RunPlan
+from meshloom.planning.step_time import INTERCONNECTS, Cluster, StepTime, step_time
 
-# Per-GPU bus bandwidth in bytes/s: (inside a node, between nodes).
-INTERCONNECTS: dict[str, tuple[float, float]] = {
-    "nvlink_ib": (300e9, 45e9),  # NVLink 4 + 400 Gb/s InfiniBand per GPU (H100 class)
-    "nvlink_roce": (300e9, 22e9),  # NVLink + 200 Gb/s Ethernet per GPU
-    "pcie_ethernet": (20e9, 10e9),  # PCIe-only node, 100 Gb/s Ethernet
-}
-# Inner to outer, as meshloom.parallel.dims lays out the mesh (tp innermost).
-MESH_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
-# Recomputing norms, RoPE and SwiGLU (memory-bound, no matmuls) under selective checkpointing.
-SELECTIVE_AC_OVERHEAD = 0.03
+# Pipeline schedules the search tries: 1F1B (GPipe has its bubble and more memory), the interleaved 1F1B, and
+# the two V schedules with zero bubble.
+PLAN_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+# Largest sequences per microbatch tried; CP pieces shorter than this many tokens are not tried.
+MAX_MICROBATCH_SIZE = 16
+MIN_CP_TOKENS = 1024
+# HSDP replicas tried: beyond a few, replicating trades memory for little (the all-reduce already crosses nodes).
+MAX_DP_REPLICATE = 8
 
 
 @dataclass(frozen=True)
-class Cluster:
-    gpus: int
-    gpus_per_node: int
-    memory_gib: float
-    interconnect: str = "nvlink_ib"
-    peak_tflops: float = 989.0
-    mfu: float = 0.4
-    headroom: float = 0.9  # usable share of GPU memory (CUDA context, NCCL buffers, fragmentation)
+class SearchSpace:
+    """The choices `plan` tries beyond the degrees."""
 
-    @property
-    def usable_bytes(self) -> float:
-        return self.memory_gib * GIB * self.headroom
+    ac_modes: tuple[str, ...] = AC_MODES
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    float8: tuple[bool, ...] = (False, True)
+    schedules: tuple[str, ...] = PLAN_SCHEDULES
+    # pipeline.split_points every pipelined layout must use (empty: the even split).
+    split_points: str = ""
 
 
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
     memory: MemoryEstimate
-    step_s: float
-    compute_s: float
-    comm_s: dict[str, float]
-    bubble_s: float
+    time: StepTime
+
+    @property
+    def step_s(self) -> float:
+        return self.time.step
+
+
+@dataclass
+class _Search:
+    """What the search learnt on its way: the smallest peak seen and why layouts were refused."""
+
+    smallest: tuple[Layout, MemoryEstimate] | None = None
+    refusals: Counter = field(default_factory=Counter)
+    built: int = 0
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def link_bandwidth(layout: Layout, dim: str, cluster: Cluster) -> float:
-    """Intra-node bandwidth when the dimension's ranks (and every inner dimension's) fit in one node."""
-    span = 1
-    for name in MESH_ORDER:
-        span *= getattr(layout, name)
-        if name == dim:
-            break
-    intra, inter = INTERCONNECTS[cluster.interconnect]
-    return intra if span <= cluster.gpus_per_node else inter
+def base_config(model: str, flavor: str, seq_len: int, split_points: str = "") -> Config:
+    """The settings every candidate shares: the model, bf16 training on `seq_len` tokens, the pipeline split."""
+    config = Config()
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, name=model, flavor=flavor),
+        training=dataclasses.replace(config.training, seq_len=seq_len, mixed_precision="bf16"),
+        pipeline=dataclasses.replace(config.pipeline, split_points=split_points),
+    )
 
 
-def step_time(shape: ShapeModel, layout: Layout, seq_len: int, precision: Precision, cluster: Cluster) -> tuple[float, float, dict[str, float], float]:
-    """(step, compute, communication by dimension, bubble) in seconds."""
-    _, executed = step_flops(shape, layout, seq_len)
-    compute = executed / (cluster.peak_tflops * 1e12 * cluster.mfu)
-    if layout.ac == "selective_op":
-        compute *= 1 + SELECTIVE_AC_OVERHEAD
-    volume = step_comm_bytes(shape, layout, seq_len, precision)
-    comm = {dim: volume[dim] / link_bandwidth(layout, dim, cluster) for dim in COMM_DIMS}
-    exposed = comm["tp"] + comm["cp"] + comm["pp"] + comm["ep"]
-    busy = compute + exposed
-    # 1F1B and GPipe idle (pp - 1) microbatch slots out of microbatches + pp - 1.
-    bubble = busy * (layout.pp - 1) / layout.microbatches
-    overlapped = comm["dp_shard"] + comm["dp_replicate"]
-    return max(busy, overlapped) + bubble, compute, comm, bubble
-
-
-def _allowed(spec: ModelSpec, args: Any, layout: Layout) -> bool:
-    """Whether the family's layout checks accept the layout's degrees."""
-    dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.cp, layout.ep, layout.world_size)
-    try:
-        spec.check_layout(args, Config(), dims)
-    except ConfigError:
-        return False
-    return True
-
-
-def enumerate_layouts(spec: ModelSpec, args: Any, cluster: Cluster, seq_len: int, global_batch: int) -> list[Layout]:
-    """Every layout of `cluster.gpus` ranks the model and batch allow (TP inside a node, one sequence per
-    microbatch at least, CP splitting the sequence into pieces of at least 1,024 tokens)."""
-    layouts = []
-    for tp in _divisors(cluster.gpus_per_node):
-        for cp in (c for c in _divisors(cluster.gpus // tp) if seq_len % (2 * c) == 0 and seq_len // c >= 1024 or c == 1):
-            for pp in (p for p in _divisors(cluster.gpus // (tp * cp)) if p <= args.n_layers // 2 or p == 1):
-                dp = cluster.gpus // (tp * cp * pp)
-                if global_batch % dp or not _allowed(spec, args, Layout(dp_shard=dp, tp=tp, pp=pp, cp=cp)):
+def _structures(shape: ShapeModel, cluster: Cluster, seq_len: int, global_batch: int, space: SearchSpace, counts: tuple[int, ...]) -> Iterator[Layout]:
+    """Every combination of degrees, pipeline schedule and microbatching of `cluster.gpus` ranks (AdamW, no
+    checkpointing, no Float8; the variants come later)."""
+    gpus = cluster.gpus
+    for tp in (t for t in _divisors(cluster.gpus_per_node) if gpus % t == 0):
+        cps = [c for c in _divisors(gpus // tp) if c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS)]
+        for cp in cps:
+            for pp in (p for p in _divisors(gpus // (tp * cp)) if p <= shape.n_layers):
+                dp = gpus // (tp * cp * pp)
+                if global_batch % dp:
                     continue
                 per_rank = global_batch // dp
-                for dp_replicate in _divisors(dp):
-                    for mbs in _divisors(per_rank):
-                        microbatches = per_rank // mbs
-                        if pp > 1 and microbatches < pp:
-                            continue  # 1F1B needs at least one microbatch per stage
-                        for ac in AC_MODES:
-                            layouts.append(Layout(dp_replicate, dp // dp_replicate, tp, pp, cp, ac, mbs, microbatches))
-    return layouts
+                for schedule in (space.schedules if pp > 1 else ("1F1B",)):
+                    v = SCHEDULES[schedule].default_stages_per_rank if pp > 1 else 1
+                    if pp * v > shape.n_layers or (counts and len(counts) != pp * v) or (pp == 1 and counts):
+                        continue
+                    for dp_replicate in (r for r in _divisors(dp) if r <= MAX_DP_REPLICATE):
+                        dp_shard = dp // dp_replicate
+                        eps = [e for e in _divisors(shape.n_experts or 1) if (dp_shard * cp) % e == 0]
+                        for ep in eps:
+                            for mbs in (m for m in _divisors(per_rank) if m <= MAX_MICROBATCH_SIZE):
+                                for pipe_mb in _pipeline_microbatches(per_rank // mbs, pp * v):
+                                    yield Layout(
+                                        dp_replicate, dp_shard, tp, pp, cp, "full", mbs, per_rank // mbs, schedule, 1, ep,
+                                        v, counts if pp > 1 else (), per_rank // (mbs * pipe_mb),
+                                    )  # fmt: skip
+
+
+def _pipeline_microbatches(microbatches: int, stages: int) -> list[int]:
+    """Microbatches per pipeline step to try out of `microbatches` per optimizer step: all of them in one pipeline
+    step (the smallest bubble), and the fewest that still give every stage one (the least activation memory for
+    GPipe-like warm-ups) with the rest as gradient accumulation. Without a pipeline: one, i.e. plain accumulation."""
+    if stages == 1:
+        return [1]
+    fitting = [m for m in _divisors(microbatches) if m >= stages]
+    return sorted({fitting[0], fitting[-1]}) if fitting else []
+
+
+# Fastest first: checkpointing adds recomputation (and selective_op its memory-bound ops), never removes work.
+AC_SPEED_ORDER = ("none", "selective_op", "full")
+
+
+def _fastest_fitting_variant(
+    shape: ShapeModel, layout: Layout, space: SearchSpace, seq_len: int, precision: Precision, cluster: Cluster
+) -> Candidate | None:
+    """Of one structure's variants (AC mode x optimizer x Float8), the fastest that fits: only it can rank, since a
+    faster one that fits would beat it and a slower one never ranks above it.
+
+    Float8 is faster and smaller than bf16, so it is the one tried when allowed. For each optimizer the AC modes are
+    tried fastest first up to the first that fits; the optimizers' winners are then timed against each other (Muon's
+    Newton-Schulz time against the recomputation AdamW's extra memory may force)."""
+    float8 = max(space.float8)
+    best = None
+    for optimizer in space.optimizers:
+        for ac in (mode for mode in AC_SPEED_ORDER if mode in space.ac_modes):
+            variant = dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=float8)
+            memory = estimate_memory(shape, variant, seq_len, precision)
+            if memory.peak <= cluster.usable_bytes:
+                time = step_time(shape, variant, seq_len, precision, cluster)
+                if best is None or time.step < best.time.step:
+                    best = Candidate(variant, memory, time)
+                break
+    return best
+
+
+def _build(base: Config, layout: Layout, gpus: int, search: _Search) -> Layout | None:
+    """The layout `RunPlan` makes of the settings `layout` writes, or None (noting why) when it refuses them."""
+    try:
+        run = RunPlan.build(layout_config(base, layout), gpus)
+    except ConfigError as err:
+        search.refusals[str(err).split(";")[0]] += 1
+        return None
+    search.built += 1
+    return layout_of(run)
+
+
+def search_layouts(
+    model: str, flavor: str, cluster: Cluster, seq_len: int, global_batch: int, precision: Precision, space: SearchSpace
+) -> tuple[list[Candidate], _Search]:
+    spec, args = get_model_spec(model), get_model_args(model, flavor)
+    shape = spec.shape_model(args)
+    base = base_config(model, flavor, seq_len, space.split_points)
+    points = parse_split_points(space.split_points, args.n_layers)
+    counts = tuple(b - a for a, b in zip([0] + points, points + [args.n_layers])) if points else ()
+    usable = cluster.usable_bytes
+    search, candidates = _Search(), []
+    frugal = dict(ac="full" if "full" in space.ac_modes else space.ac_modes[0], optimizer=min(space.optimizers, key=("Muon", "AdamW").index), float8=max(space.float8))
+    too_big: set[tuple] = set()
+    for structure in _structures(shape, cluster, seq_len, global_batch, space, counts):
+        # Microbatch sizes come in increasing order: once one does not fit, larger ones (with the same kind of
+        # pipeline microbatch count) hold more activations and do not fit either; only the largest, which needs
+        # no accumulation and so no unsharded gradients, may fit again.
+        family = (dataclasses.replace(structure, microbatch_size=1, microbatches=1, grad_accum_steps=1), structure.grad_accum_steps > 1)
+        if family in too_big and structure.microbatches > 1:
+            continue
+        lean = dataclasses.replace(structure, **frugal)
+        memory = estimate_memory(shape, lean, seq_len, precision)
+        if search.smallest is None or memory.peak < search.smallest[1].peak:
+            search.smallest = (lean, memory)
+        if memory.peak > usable:
+            too_big.add(family)
+            continue
+        built = _build(base, structure, cluster.gpus, search)
+        if built is None:
+            continue
+        best = _fastest_fitting_variant(shape, built, space, seq_len, precision, cluster)
+        if best is not None:
+            candidates.append(best)
+    return candidates, search
 
 
 def plan(
-    flavor: str, cluster: Cluster, seq_len: int, global_batch: int, precision: Precision = Precision("bf16"), model: str = "llama3"
+    flavor: str,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch: int,
+    precision: Precision = Precision("bf16"),
+    model: str = "llama3",
+    space: SearchSpace = SearchSpace(),
 ) -> list[Candidate]:
-    """Layouts that fit, fastest first (ties: less memory, then fewer parallel dimensions)."""
-    spec, args = get_model_spec(model), get_model_args(model, flavor)
-    shape = spec.shape_model(args)
+    """Layouts that fit, fastest first (ties: fewer parallel dimensions, then less memory)."""
+    args = get_model_args(model, flavor)  # an unknown model or flavour is a one-line error here
     if cluster.interconnect not in INTERCONNECTS:
         raise UserError(f"unknown interconnect {cluster.interconnect!r}; choices: {', '.join(INTERCONNECTS)}")
     if cluster.gpus % cluster.gpus_per_node and cluster.gpus > cluster.gpus_per_node:
@@ -136,70 +217,33 @@ def plan(
         )
     if seq_len > args.max_seq_len:
         raise UserError(f"seq_len {seq_len} exceeds the {flavor} model's max_seq_len {args.max_seq_len}")
-    layouts = enumerate_layouts(spec, args, cluster, seq_len, global_batch)
-    if not layouts:
+    candidates, search = search_layouts(model, flavor, cluster, seq_len, global_batch, precision, space)
+    if search.smallest is None:
         dp_choices = [d for d in _divisors(cluster.gpus) if global_batch % d == 0]
         raise UserError(
-            f"no layout of {cluster.gpus} GPUs can split a global batch of {global_batch} sequences: the data-parallel "
-            f"degree must divide it (possible degrees here: {dp_choices}), and tp x cp x pp must take the rest; "
-            f"use a global batch that is a multiple of {cluster.gpus // max(cluster.gpus_per_node, 1) or 1} or change the GPU count"
+            f"--gpus {cluster.gpus} cannot be factored for the {model} {flavor} model and a global batch of {global_batch}: "
+            f"the data-parallel degree must divide the batch (here {dp_choices}) and tp x cp x pp take the rest (tp "
+            f"inside a node, pp at most {args.n_layers} layers, cp pieces of >= {MIN_CP_TOKENS} tokens); change --gpus "
+            f"or --global-batch (e.g. a multiple of {cluster.gpus})"
         )
-    candidates, smallest = [], None
-    for layout in layouts:
-        memory = estimate_memory(shape, layout, seq_len, precision)
-        if smallest is None or memory.peak < smallest[1].peak:
-            smallest = (layout, memory)
-        if memory.peak > cluster.usable_bytes:
-            continue
-        step, compute, comm, bubble = step_time(shape, layout, seq_len, precision, cluster)
-        candidates.append(Candidate(layout, memory, step, compute, comm, bubble))
+    if not candidates and search.built == 0 and search.refusals:
+        reason, _ = search.refusals.most_common(1)[0]
+        raise UserError(
+            f"--gpus {cluster.gpus} cannot be factored into a layout the {model} {flavor} model allows (most often: "
+            f"{reason}); change --gpus or --global-batch"
+        )
     if not candidates:
-        assert smallest is not None
-        need = smallest[1].peak / cluster.headroom / GIB
+        lean, memory = search.smallest
+        need = memory.peak / cluster.headroom / GIB
         raise UserError(
             f"the {flavor} model does not fit on {cluster.gpus} x {cluster.memory_gib:g} GiB under any layout "
-            f"(seq_len {seq_len}, global batch {global_batch}); the smallest peak is {smallest[1].peak / GIB:.1f} GiB "
-            f"per GPU ({smallest[0].describe()}), so GPUs need at least {need:.1f} GiB at {cluster.headroom:.0%} usable; "
+            f"(seq_len {seq_len}, global batch {global_batch}); the smallest peak is {memory.peak / GIB:.1f} GiB "
+            f"per GPU ({lean.describe()}), so GPUs need at least {need:.1f} GiB at {cluster.headroom:.0%} usable; "
             f"add GPUs, shorten seq_len or use GPUs with more memory"
         )
 
     def dims_used(layout: Layout) -> int:
-        return sum(getattr(layout, d) > 1 for d in ("dp_replicate", "tp", "pp", "cp"))
+        return sum(getattr(layout, d) > 1 for d in ("dp_replicate", "tp", "pp", "cp", "ep"))
 
     candidates.sort(key=lambda c: (round(c.step_s, 6), dims_used(c.layout), c.memory.peak))
     return candidates
-
-
-def format_table(candidates: list[Candidate], top: int) -> str:
-    head = f"{'#':>3} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'cp':>3} {'ac':>12} {'mbs x n':>8} " \
-           f"{'peak GiB':>9} {'step s':>8} {'compute':>8} {'comm (exposed: tp,cp,pp)':>24} {'bubble':>7}"
-    lines = [head]
-    for i, c in enumerate(candidates[:top], 1):
-        lay = c.layout
-        exposed = c.comm_s["tp"] + c.comm_s["cp"] + c.comm_s["pp"]
-        lines.append(
-            f"{i:>3} {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ac:>12} "
-            f"{f'{lay.microbatch_size}x{lay.microbatches}':>8} {c.memory.peak / GIB:>9.1f} {c.step_s:>8.3f} "
-            f"{c.compute_s:>8.3f} {exposed:>24.3f} {c.bubble_s:>7.3f}"
-        )
-    return "\n".join(lines)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return str(value)
-
-
-def layout_toml(model: str, flavor: str, layout: Layout, seq_len: int, note: str) -> str:
-    """A ready recipe: model, batch, degrees, checkpointing mode and pipeline settings of `layout`."""
-    settings = layout_settings(layout)
-    settings["training"] = {"seq_len": seq_len, "mixed_precision": "bf16", **settings["training"]}
-    sections = {"model": {"name": model, "flavor": flavor}, **settings}
-    lines = [f"# {note}"]
-    for name, values in sections.items():
-        lines.append(f"\n[{name}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
-    return "\n".join(lines) + "\n"
