@@ -9,6 +9,10 @@ import sys
 # `meshloom --help` and a typo answer without importing torch.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("meshloom.train.main:main", "train a model from a TOML or YAML recipe plus --section.field overrides"),
+    "launch": (
+        "meshloom.tools.launch:main",
+        "check a recipe against a cluster shape, then write an sbatch script or a Kubeflow TrainJob, or run it on Ray",
+    ),
     "prepare": ("meshloom.data.prepare:main", "tokenize text files or `datasets` data into memory-mapped token shards"),
     "tokenizer": (
         "meshloom.tools.save_tokenizer:main",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from meshloom.config.schema import Config
 from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
+from meshloom.parallel.resize import describe_resize
 
 
 def _count(n: float) -> str:
@@ -54,6 +55,7 @@ def startup_summary(
         + (f", {grad_accum_steps} accumulation steps)" if grad_accum_steps > 1 else ")"),
         f"  steps          {start_step} -> {t.steps}",
         f"  checkpoints    {checkpoints}",
+        f"  resize         {describe_resize(config.parallelism)}",
     ]
     if config.job.description:
         lines.insert(1, f"  description    {config.job.description}")
