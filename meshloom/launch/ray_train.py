@@ -80,15 +80,9 @@ def _report_attempt(attempt: int) -> None:
 
 
 def _train_worker(settings: dict[str, Any]) -> None:
-    """One rank: the process group is Ray's; the run is `meshloom train` with the same arguments."""
-    import ray.train
-
+    """One rank: the process group is Ray's (it also sets RANK, WORLD_SIZE, LOCAL_RANK as torchrun does); the run is
+    `meshloom train` with the same arguments."""
     os.chdir(settings["cwd"])  # relative paths in the recipe mean what they meant where the launch ran
-    context = ray.train.get_context()
-    os.environ.update(
-        RANK=str(context.get_world_rank()), WORLD_SIZE=str(context.get_world_size()),
-        LOCAL_RANK=str(context.get_local_rank()), LOCAL_WORLD_SIZE=str(context.get_local_world_size()),
-    )  # fmt: skip
     attempt = _attempt_of_this_run()
     os.environ[ATTEMPT_ENV] = str(attempt)
     _report_attempt(attempt)
