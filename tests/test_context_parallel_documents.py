@@ -6,7 +6,7 @@ covered: Llama 3 and Qwen3 (grouped-query attention, Qwen3's MoE under expert pa
 v head size differs from q/k's, and multi-token prediction, whose labels cross shards). Layouts: CP 2, CP 4,
 CP 2 x TP 2, CP 2 x PP 2 and CP 2 x EP 2, some with head-tail balancing and some with the document-aware one
 (parallelism.cp_document_balance), whose layout changes every batch. All cases of one world size share one
-torchrun launch (tools/resume_cases.py): one launch of 4 ranks and one of 2.
+torchrun launch (testing/resume_parity.py): one launch of 4 ranks and one of 2.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from shard_fixtures import document, load_tokenizer, prepared, tokenizer_json
 
-from meshloom.tools.parity import FP32_TOLERANCE
-from meshloom.tools.resume_cases import Case, CaseResult, launch, run_case
+from meshloom.testing.layout_parity import FP32_TOLERANCE
+from meshloom.testing.resume_parity import Case, CaseResult, launch, run_case
 
 LLAMA = ["--model.name", "llama3"]
 QWEN = ["--model.name", "qwen3"]

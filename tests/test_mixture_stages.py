@@ -259,7 +259,7 @@ def test_schedule_lookup_is_constant_time_in_the_position():
 def test_training_logs_the_mixture_and_resumes_with_a_changed_one(tmp_path):
     """metrics.jsonl carries each source's cumulative tokens, documents and share; the report plots the mixture;
     a resume with another mixture is refused, then allowed and logged."""
-    from meshloom.tools.report import load_mixture, write_report
+    from meshloom.cli.report import load_mixture, write_report
     from meshloom.train.trainer import Trainer
     from shard_fixtures import document, load_tokenizer, tokenizer_json
 

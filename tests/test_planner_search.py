@@ -14,7 +14,7 @@ from meshloom.planning.layout import Layout, Precision, layout_config, layout_of
 from meshloom.planning.memory_estimate import GIB, estimate_memory
 from meshloom.planning.planner import Cluster, SearchSpace, base_config, plan
 from meshloom.planning.run_plan import RunPlan
-from meshloom.tools.plan import main as plan_main
+from meshloom.cli.plan import main as plan_main
 
 
 def _shape(model: str, flavor: str):

@@ -9,6 +9,10 @@ import sys
 # `meshloom --help` and a typo answer without importing torch.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("meshloom.cli.train:main", "train a model from a TOML or YAML recipe plus --section.field overrides"),
+    "launch": (
+        "meshloom.cli.launch:main",
+        "check a recipe against a cluster shape, then write an sbatch script or a Kubeflow TrainJob, or run it on Ray",
+    ),
     "prepare": ("meshloom.cli.prepare:main", "tokenize text files or `datasets` data into memory-mapped token shards"),
     "tokenizer": (
         "meshloom.cli.save_tokenizer:main",

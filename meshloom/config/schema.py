@@ -237,6 +237,13 @@ class ParallelismConfig:
     cp: int = 1
     """Context-parallel degree (sequence split across ranks)."""
 
+    resize: Literal["none", "dp_shard", "dp_replicate"] = "none"
+    """How the layout follows a world size other than the degrees give (elastic runs: torchrun --nnodes MIN:MAX
+    after a node is lost or rejoins). none = the degrees as set (dp_shard = -1 still takes what is left);
+    dp_shard = keep dp_replicate, tp, pp, cp and let dp_shard absorb the change; dp_replicate = keep dp_shard, tp,
+    pp, cp and let the number of HSDP replicas change (dp_shard must be a number). Set training.global_batch_size
+    to keep the batch, and with it the loss curve, when the data-parallel degree changes."""
+
     cp_load_balance: bool = True
     """With cp > 1: split each sequence head-tail (rank r holds chunks r and 2*cp-1-r of 2*cp), which gives every
     rank equal causal-attention work; false = cp contiguous chunks. training.seq_len must divide into the chunks."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from meshloom.config.schema import Config
 from meshloom.observe.cpu import cpu_has_native_bf16
 from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
+from meshloom.parallel.resize import describe_resize
 
 
 def _count(n: float) -> str:
@@ -65,6 +66,7 @@ def startup_summary(
         + (f", {grad_accum_steps} accumulation steps)" if grad_accum_steps > 1 else ")"),
         f"  steps          {start_step} -> {t.steps}",
         f"  checkpoints    {checkpoints}",
+        f"  resize         {describe_resize(config.parallelism)}",
     ]
     if (warning := bf16_cpu_warning(t.mixed_precision, device)) is not None:
         lines.append(f"  note           {warning}")

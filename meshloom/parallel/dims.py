@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ParallelismConfig
+from meshloom.parallel.resize import resized
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Every degree a run sets, as `parallelism.<name>`; ep borrows its ranks from dp_shard x cp.
@@ -53,6 +54,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, config: ParallelismConfig, world_size: int) -> ParallelDims:
+        config = resized(config, world_size)  # parallelism.resize: which degree a changed world size goes to
         others = config.dp_replicate * config.tp * config.pp * config.cp
         dp_shard = config.dp_shard
         if dp_shard == -1:

@@ -12,16 +12,20 @@ from torch.distributed import distributed_c10d
 
 
 def world_size_from_env() -> int:
+    """The process group's size when a launcher already started one (Ray Train does), else torchrun's WORLD_SIZE."""
+    if dist.is_initialized():
+        return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def restart_attempt() -> int:
-    """Which torchrun restart this process belongs to (0 for the first launch, or without torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Which restart this process belongs to (0 for the first launch): torchrun's count, or `meshloom launch ray`'s."""
+    return int(os.environ.get("MESHLOOM_RESTART_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 def init_distributed(device: torch.device, timeout_s: float = 300.0) -> int:
-    """Join the process group torchrun describes (idempotent); returns the world size."""
+    """Join the process group torchrun describes, or keep the one a launcher (Ray Train) already started; returns
+    the world size."""
     world_size = world_size_from_env()
     if world_size > 1 and not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"

@@ -32,7 +32,7 @@ def resume_after_restart(config: Config, checkpoint_root: Path) -> None:
         _say(
             "WARNING: torchrun shares its rendezvous store with the workers, so a restarted group can read the previous "
             "attempt's addresses and fail to connect (pytorch/pytorch#135712); launch torchrun with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (scripts/run_train.sh and scripts/multinode.slurm do)"
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (scripts/run_train.sh and `meshloom launch slurm` do)"
         )
     c = config.checkpoint
     if not c.enable and not c.resume:

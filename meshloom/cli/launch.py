@@ -1,0 +1,124 @@
+"""`meshloom launch slurm|k8s|ray`: run a recipe on a cluster that already has a scheduler.
+
+    meshloom launch slurm --config configs/llama3_8b.toml --nodes 4 --gpus-per-node 8 --output train.sbatch
+    meshloom launch k8s --config configs/llama3_8b.toml --nodes 4 --gpus-per-node 8 --image REGISTRY/meshloom:TAG \\
+        --data-volume corpus --runs-volume runs --output trainjob.yaml
+    meshloom launch ray --config configs/llama3_8b.toml --nodes 4 --gpus-per-node 8 --checkpoint.enable true
+
+The recipe is checked first for every node count the job may run on (the same RunPlan the ranks build; with
+--gpu-memory-gib also the dry run), then slurm writes an sbatch script, k8s a Kubeflow Trainer TrainJob, and ray
+runs the training through Ray Train. Arguments after the options are config overrides (--section.field value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from meshloom.config.errors import UserError
+from meshloom.parallel.dims import DEGREE_NAMES
+
+if TYPE_CHECKING:
+    from meshloom.planning.run_plan import RunPlan
+
+EXTRAS = {"ray": ("ray", "ray"), "k8s": ("kubeflow_trainer_api", "k8s")}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshloom launch", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("scheduler", choices=("slurm", "k8s", "ray"))
+    parser.add_argument("--config", required=True, help="the recipe (TOML or YAML), as the nodes will find it")
+    parser.add_argument("--nodes", type=int, required=True, help="nodes (the most, for an elastic run)")
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node: GPUs (or CPU workers with training.device cpu)")
+    parser.add_argument("--min-nodes", type=int, help="elastic: continue on as few as this many nodes (torchrun --nnodes MIN:MAX)")
+    parser.add_argument("--max-restarts", type=int, help="torchrun restarts (slurm/k8s) or Ray worker-group restarts (ray)")
+    parser.add_argument("--gpu-memory-gib", type=float, help="refuse a layout whose dry run exceeds this memory per GPU")
+    parser.add_argument("--name", default="meshloom", help="job name (SLURM job, TrainJob, Ray run)")
+    parser.add_argument("--output", type=Path, help="the file to write (slurm: NAME.sbatch, k8s: NAME.yaml)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.add_argument("--image", help="k8s: the container image holding meshloom")
+    parser.add_argument("--data-volume", help="k8s: PersistentVolumeClaim with the data, mounted at /data")
+    parser.add_argument("--runs-volume", help="k8s: PersistentVolumeClaim for run folders and checkpoints, mounted at /runs")
+    parser.add_argument("--address", help="ray: the cluster to join (ray.init address); default: RAY_ADDRESS or a local one")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    opts, overrides = _parser().parse_known_args(argv)
+    try:
+        return _launch(opts, overrides, f"Written by: meshloom launch {shlex.join(argv)}")
+    except UserError as err:
+        print(f"meshloom: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
+    if opts.scheduler in EXTRAS:
+        module, extra = EXTRAS[opts.scheduler]
+        if importlib.util.find_spec(module) is None:
+            raise UserError(f"meshloom launch {opts.scheduler} needs the {module} package; install it with pip install 'meshloom[{extra}]'")
+    if opts.scheduler == "k8s":
+        from meshloom.launch.k8s import RUNS_MOUNT, check_name
+
+        check_name(opts.name)
+        if not opts.image:
+            raise UserError("meshloom launch k8s needs --image: the container image with meshloom installed")
+        if opts.runs_volume and not any(a.startswith("--job.dump_folder") for a in overrides):
+            overrides = [*overrides, "--job.dump_folder", f"{RUNS_MOUNT}/{opts.name}"]
+    if opts.scheduler == "ray" and opts.min_nodes is not None:
+        raise UserError("--min-nodes: an elastic node count runs under torchrun (slurm); a Ray run restarts on its full --nodes")
+    if opts.scheduler == "k8s" and opts.min_nodes is not None:
+        raise UserError("--min-nodes: a TrainJob's node count is its fixed numNodes; elastic node counts run under slurm")
+    output = None
+    if opts.scheduler != "ray":
+        output = opts.output or Path(f"{opts.name}.{'sbatch' if opts.scheduler == 'slurm' else 'yaml'}")
+        if output.exists() and not opts.overwrite:
+            raise UserError(f"--output {output} exists; choose another file or pass --overwrite to replace it")
+
+    from meshloom.config.loader import load_config
+    from meshloom.launch.cluster import ClusterShape, check_cluster
+    from meshloom.launch.torchrun import check_resumable, restarts_for, train_args
+
+    config = load_config(["--config", opts.config, *overrides])
+    shape = ClusterShape(opts.nodes, opts.gpus_per_node, opts.min_nodes or opts.nodes)
+    plans = check_cluster(config, shape, opts.gpu_memory_gib)
+    layouts = ", ".join(f"{p.world_size} ranks: {_layout(p)}" for p in plans)
+    if opts.scheduler == "ray":
+        from meshloom.launch.ray_train import run_on_ray
+
+        restarts = 0 if opts.max_restarts is None else opts.max_restarts
+        if restarts:
+            check_resumable(config, f"--max-restarts {restarts}")
+        print(f"meshloom launch ray: {layouts}; {restarts} restarts", flush=True)
+        return run_on_ray(config, ["--config", opts.config, *overrides], shape, restarts, opts.name, opts.address)
+    restarts = restarts_for(shape, opts.max_restarts)
+    if restarts:
+        check_resumable(config, f"--max-restarts {restarts}" if opts.max_restarts else f"--min-nodes {shape.min_nodes}")
+    train = train_args(opts.config, overrides)
+    if opts.scheduler == "slurm":
+        from meshloom.launch.slurm import sbatch_script
+
+        text = sbatch_script(opts.name, shape, restarts, train, f"{note}\n# layout: {layouts}")
+        submit = f"sbatch {output}"
+    else:
+        import yaml
+
+        from meshloom.launch.k8s import Volumes, container_command, train_job, validate
+
+        manifest = train_job(opts.name, opts.image, shape, container_command(shape, restarts, train), Volumes(opts.data_volume, opts.runs_volume))
+        validate(manifest)
+        text = f"# layout: {layouts}\n" + yaml.safe_dump(manifest, sort_keys=False)
+        submit = f"kubectl apply -f {output}"
+    output.write_text(text)
+    print(f"meshloom launch {opts.scheduler}: {layouts}\nwrote {output}; submit with: {submit}")
+    return 0
+
+
+def _layout(plan: RunPlan) -> str:
+    d = plan.dims
+    return " x ".join(f"{n} {getattr(d, n)}" for n in DEGREE_NAMES if getattr(d, n) > 1) or "one process"
