@@ -6,6 +6,7 @@ from pathlib import Path
 
 from meshloom.config.schema import Config
 from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
+from meshloom.train.ns_dtype import ns_dtype_reason
 
 
 def _count(n: float) -> str:
@@ -55,6 +56,9 @@ def startup_summary(
         f"  steps          {start_step} -> {t.steps}",
         f"  checkpoints    {checkpoints}",
     ]
+    if config.optimizer.name == "Muon":
+        device_type = device.split(":")[0]
+        lines.insert(5, f"  newton-schulz  {ns_dtype_reason(config.optimizer.muon_ns_dtype, device_type)}")
     if config.job.description:
         lines.insert(1, f"  description    {config.job.description}")
     return "\n".join(lines)
