@@ -51,7 +51,7 @@ MOE_LAYOUTS = [f"dp_shard=2,{MOE}", f"dp_shard=2,ep=2,{MOE}"]
 # start near 0.15).
 CLIP_LR = 5e-3
 TAU = 0.01
-CLIP_LAYOUTS = ["tp=2", "dp_shard=2", "pp=2", "dp_shard=2,tp=2"]
+CLIP_LAYOUTS = ["tp=2", "dp_shard=2", "pp=2", "cp=2", "dp_shard=2,tp=2"]
 STEPS = 10
 
 
@@ -322,10 +322,14 @@ def test_qk_clip_is_refused_where_it_cannot_work():
         load_config(["--optimizer.qk_clip_threshold", "-1"])
     toy = ["--model.plugin", "tests.toy_family", "--model.name", "toy", "--model.flavor", "tiny"]
     toy += ["--optimizer.qk_clip_threshold", "50"]
-    with pytest.raises(ConfigError, match=r"toy model family's attention does not factor per head .* = 0"):
+    with pytest.raises(ConfigError, match=r"toy model family does not offer it \(its attention does not factor per head\).* = 0"):
         RunPlan.build(load_config(toy), 1)
-    cp = ["--optimizer.qk_clip_threshold", "50", "--parallelism.cp", "2", "--training.seq_len", "64"]
-    with pytest.raises(ConfigError, match=r"parallelism.cp = 2: .* set parallelism.cp = 1"):
+    qwen3 = ["--model.name", "qwen3", "--model.flavor", "tiny", "--optimizer.qk_clip_threshold", "50"]
+    with pytest.raises(ConfigError, match=r"qwen3 model family does not offer it \(its QK-norm RMS-normalises"):
+        RunPlan.build(load_config(qwen3), 1)
+    for name in ("llama3", "deepseek_v3"):  # context parallel takes the maxima over cp
+        cp = ["--model.name", name, "--model.flavor", "tiny", "--optimizer.qk_clip_threshold", "50",
+              "--parallelism.cp", "2", "--training.seq_len", "64"]  # fmt: skip
         RunPlan.build(load_config(cp), 2)
     RunPlan.build(load_config(["--optimizer.qk_clip_threshold", "50", "--parallelism.tp", "2"]), 2)  # llama3: fine
 

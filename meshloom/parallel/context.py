@@ -371,5 +371,17 @@ class RingAttentionCore:
             )
         return ring_attention(q, k, v, self.ring, self.layout)
 
+    @torch.no_grad()
+    def whole_sequence_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every rank's key shard, gathered (no gradient): (keys [b, h, seq, d] in the ranks' shard order, this rank's
+        query positions [seq / cp], the keys' positions [seq]). QK-clip scores this rank's queries against them to find
+        each head's largest logit over pairs that sit on different ranks."""
+        cp, shard = self.ring.size, k.shape[2]
+        gathered = torch.empty((cp, *k.shape), dtype=k.dtype, device=k.device)
+        dist.all_gather_into_tensor(gathered, k.contiguous(), group=self.ring.group)
+        keys = gathered.permute(1, 2, 0, 3, 4).flatten(2, 3)
+        positions = [self.layout.positions(cp * shard, r, k.device) for r in range(cp)]
+        return keys, positions[self.ring.rank], torch.cat(positions)
+
     def __repr__(self) -> str:
         return f"RingAttentionCore(cp={self.ring.size}, load_balance={self.layout.load_balance})"
