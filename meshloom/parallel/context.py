@@ -377,9 +377,10 @@ class RingAttentionCore:
         query positions [seq / cp], the keys' positions [seq]). QK-clip scores this rank's queries against them to find
         each head's largest logit over pairs that sit on different ranks."""
         cp, shard = self.ring.size, k.shape[2]
-        gathered = torch.empty((cp, *k.shape), dtype=k.dtype, device=k.device)
+        # Concatenated along dim 0 (the layout gloo and NCCL both take), then each rank's shard put in sequence order.
+        gathered = torch.empty((cp * k.shape[0], *k.shape[1:]), dtype=k.dtype, device=k.device)
         dist.all_gather_into_tensor(gathered, k.contiguous(), group=self.ring.group)
-        keys = gathered.permute(1, 2, 0, 3, 4).flatten(2, 3)
+        keys = gathered.unflatten(0, (cp, k.shape[0])).permute(1, 2, 0, 3, 4).flatten(2, 3)
         positions = [self.layout.positions(cp * shard, r, k.device) for r in range(cp)]
         return keys, positions[self.ring.rank], torch.cat(positions)
 
