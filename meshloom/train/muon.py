@@ -220,10 +220,15 @@ class MuonAdamW(torch.optim.Optimizer):
         for p, group in group_of.items():
             if p.grad is None:
                 continue
-            grad = local_tensor(p.grad)
+            grad = p.grad
+            if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+                # A replicated weight fed by sequence-sharded inputs (tensor parallel's sequence-parallel regions, e.g.
+                # MLA's down-projections) gets a pending sum over tp: complete it, as AdamW's DTensor arithmetic does.
+                grad = grad.redistribute(grad.device_mesh, p.placements)
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            grad = local_tensor(grad)
             buf = local_tensor(state["momentum_buffer"])
             buf.lerp_(grad, 1 - group["momentum"])
             update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
