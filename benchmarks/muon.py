@@ -1,11 +1,15 @@
 """Muon against AdamW on CPU: loss curves with a short learning-rate sweep, and the optimizer step's cost.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/muon.py loss --out benchmarks/results/2026-11-30 [--steps 300]
-    PYTHONPATH=. .venv/bin/python benchmarks/muon.py step --out benchmarks/results/2026-11-30 [--rounds 5]
+    PYTHONPATH=. .venv/bin/python benchmarks/muon.py loss --out benchmarks/results/2026-12-01 [--steps 300]
+        [--config qwen3_moe_debug.toml --tag debug_moe]
+    PYTHONPATH=. .venv/bin/python benchmarks/muon.py step --out benchmarks/results/2026-12-01 [--rounds 5]
 
-``loss`` trains the llama3 `debug` model with AdamW and with Muon (optimizer.name = Muon: Muon for the block matrices,
-AdamW for embedding, output and norms, one LR schedule) at three learning rates each, one run after the other, keeps
-each run's metrics.jsonl and plots all six curves with `meshloom report`.
+``loss`` trains the llama3 `debug` model (or another recipe's) with AdamW and with Muon (optimizer.name = Muon: Muon
+for the block matrices, AdamW for embedding, output and norms, one LR schedule; Newton-Schulz in fp32) at three
+learning rates each, one run after the other (both middle rates first), keeps each run's metrics.jsonl, writes the
+summary after every run (so a run cut short leaves what finished) and plots all curves with `meshloom report`. It
+reports each optimizer's best final loss over its sweep (the mean of the last 25 steps' logged losses), and the step
+at which Muon's best run (same smoothing) first reaches AdamW's best final loss, as a fraction of the run.
 
 ``step`` times training steps of the same model with both optimizers in one process and under FSDP 2 (torchrun,
 gloo). Inside each process the two optimizers run in alternating rounds (AdamW steps, then Muon steps, repeated), so
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -34,9 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 LOSS_LRS = {"AdamW": (1e-3, 3e-3, 1e-2), "Muon": (1e-3, 3e-3, 1e-2)}
 
 
-def common_args(steps: int, seq_len: int, batch: int) -> list[str]:
+def common_args(steps: int, seq_len: int, batch: int, config: str = "llama3_debug.toml") -> list[str]:
     return [
-        "--config", str(REPO / "configs" / "llama3_debug.toml"),
+        "--config", str(REPO / "configs" / config),
         "--training.steps", str(steps), "--training.seq_len", str(seq_len),
         "--training.local_batch_size", str(batch), "--training.global_batch_size", str(batch),
         "--lr_scheduler.warmup_steps", str(max(1, steps // 20)),
@@ -48,9 +53,35 @@ def common_args(steps: int, seq_len: int, batch: int) -> list[str]:
 # --------------------------------------------------------------------------- loss curves
 
 
+SMOOTH = 5  # logged points (log_freq 5: 25 steps) in the moving mean that "final loss" and "reaches" use
+
+
+def smoothed(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(step, mean of the last SMOOTH logged losses up to that step, fewer at the start)."""
+    return [(points[i][0], statistics.fmean(v for _, v in points[max(0, i - SMOOTH + 1) : i + 1]))
+            for i in range(len(points))]  # fmt: skip
+
+
+def compare(summary: list[dict], steps: int) -> dict:
+    """Best final loss of each optimizer over its LR sweep, and the step at which Muon's best run first reaches
+    AdamW's best final loss (both smoothed), as a fraction of the run."""
+    out: dict = {}
+    for name in ("AdamW", "Muon"):
+        runs = [r for r in summary if r["optimizer"] == name and r["steps_done"] == steps]
+        if runs:
+            out[name] = min(runs, key=lambda r: r["final_loss"])
+    if "AdamW" in out and "Muon" in out:
+        target = out["AdamW"]["final_loss"]
+        reached = next((step for step, v in smoothed(out["Muon"]["curve"]) if v <= target), None)
+        out["muon_steps_to_adamw_best"] = reached
+        out["ratio"] = None if reached is None else reached / steps
+    return out
+
+
 def loss_curves(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    runs = out / "runs"
+    runs = out / f"runs_{args.tag}"
+    runs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
     # Under FSDP (proven equal to one process) each rank runs Newton-Schulz for half the matrices, which on CPU
     # halves the wall time of a Muon step.
@@ -59,35 +90,41 @@ def loss_curves(args: argparse.Namespace) -> None:
     if args.nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     summary = []
-    for name, lrs in LOSS_LRS.items():
-        for lr in lrs:
-            run_dir = runs / f"{name.lower()}_lr{lr:g}"
-            cmd = [*launcher, "-m", "meshloom.train", *common_args(args.steps, args.seq_len, args.batch), *layout,
-                   "--optimizer.name", name, "--optimizer.lr", str(lr), "--validation.freq", "100",
-                   "--job.dump_folder", str(run_dir)]  # fmt: skip
-            shutil.rmtree(run_dir, ignore_errors=True)  # this script's own earlier output
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            seconds = time.perf_counter() - start
-            if proc.returncode != 0:
-                raise SystemExit(f"{name} lr {lr} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-            losses = [r["loss"] for r in rows if "loss" in r]
-            vals = [r["val_loss"] for r in rows if "val_loss" in r]
-            summary.append({"optimizer": name, "lr": lr, "seconds": round(seconds, 1), "final_loss": losses[-1],
-                            "best_loss": min(losses), "val_loss": vals[-1] if vals else None})  # fmt: skip
-            print(json.dumps(summary[-1]), flush=True)
+    # The middle rate of both optimizers first, so that a run cut short still compares the two.
+    order = [(name, LOSS_LRS[name][i]) for i in (1, 0, 2) for name in LOSS_LRS]
+    for name, lr in order:
+        run_dir = runs / f"{name.lower()}_lr{lr:g}"
+        cmd = [*launcher, "-m", "meshloom.train", *common_args(args.steps, args.seq_len, args.batch, args.config),
+               *layout, "--optimizer.name", name, "--optimizer.lr", str(lr), "--optimizer.muon_ns_dtype", "float32",
+               "--validation.freq", "100", "--job.dump_folder", str(run_dir)]  # fmt: skip
+        shutil.rmtree(run_dir, ignore_errors=True)  # this script's own earlier output
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} lr {lr} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        curve = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        vals = [r["val_loss"] for r in rows if "val_loss" in r]
+        summary.append({"optimizer": name, "lr": lr, "seconds": round(seconds, 1), "steps_done": curve[-1][0],
+                        "final_loss": smoothed(curve)[-1][1], "last_loss": curve[-1][1],
+                        "val_loss": vals[-1] if vals else None, "load_avg": os.getloadavg(), "curve": curve})  # fmt: skip
+        print(json.dumps({k: v for k, v in summary[-1].items() if k != "curve"}), flush=True)
+        (out / f"muon_loss_{args.tag}.json").write_text(json.dumps(
+            {"config": args.config, "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
+             "threads": args.threads, "nproc": args.nproc, "smooth_points": SMOOTH, "runs": summary,
+             "comparison": compare(summary, args.steps)}, indent=1))  # fmt: skip
     report = [sys.executable, "-m", "meshloom.cli.report", *sorted(str(p) for p in runs.iterdir()),
-              "--out", str(out / "muon_loss.png")]  # fmt: skip
+              "--out", str(out / f"muon_loss_{args.tag}.png")]  # fmt: skip
     subprocess.run(report, env=env, check=True)
-    settings = {"steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "threads": args.threads,
-                "nproc": args.nproc}  # fmt: skip
-    (out / "muon_loss.json").write_text(json.dumps({**settings, "runs": summary}, indent=1))
-    print(f"| optimizer | lr | loss at step {args.steps} | best logged loss | val loss | run s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| optimizer | lr | mean loss, last {SMOOTH * 5} steps | val loss | run s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for s in summary:
-        print(f"| {s['optimizer']} | {s['lr']:g} | {s['final_loss']:.3f} | {s['best_loss']:.3f} | {s['val_loss']:.3f} "
-              f"| {s['seconds']:.0f} |")
+        val = "-" if s["val_loss"] is None else f"{s['val_loss']:.3f}"
+        print(f"| {s['optimizer']} | {s['lr']:g} | {s['final_loss']:.3f} | {val} | {s['seconds']:.0f} |")
+    result = compare(summary, args.steps)
+    print(json.dumps({k: (v if not isinstance(v, dict) else {"lr": v["lr"], "final_loss": v["final_loss"]})
+                      for k, v in result.items()}))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- step cost
@@ -114,7 +151,7 @@ def _instrument(trainer, timers: Timers) -> None:
 
     trainer.optimizer.step = timed_step
     if not getattr(muon, "_timed", False):
-        newton_schulz = muon._zeropower_via_newtonschulz
+        newton_schulz = muon.newton_schulz
 
         def timed_newton_schulz(*a, **k):
             start = time.perf_counter()
@@ -122,32 +159,29 @@ def _instrument(trainer, timers: Timers) -> None:
             muon._timers.newton_schulz += time.perf_counter() - start
             return result
 
-        muon._zeropower_via_newtonschulz, muon._timed = timed_newton_schulz, True
+        muon._untimed, muon.newton_schulz, muon._timed = newton_schulz, timed_newton_schulz, True
     muon._timers = timers
 
 
 def _whole_matrices_seconds(trainer) -> float:
     """Newton-Schulz over every Muon matrix of the model at full size, as one process runs it."""
     import torch
-    from torch.optim._muon import (
-        DEFAULT_A,
-        DEFAULT_B,
-        DEFAULT_C,
-        EPS,
-        _zeropower_via_newtonschulz,
-    )
 
-    from meshloom.train.muon import parameter_kinds
+    from meshloom.train import muon
+    from meshloom.train.muon import EPS, NS_COEFFICIENTS, parameter_kinds
+
+    untimed = getattr(muon, "_untimed", muon.newton_schulz)  # the module's attribute is the timed wrapper
 
     shapes = []
     for part in trainer.model_parts:
         kinds = parameter_kinds(part, trainer.plan.spec.adamw_only)
         shapes += [tuple(p.shape) for n, p in part.named_parameters() if kinds[n] == "muon"]
     generator = torch.Generator().manual_seed(0)
-    matrices = [torch.randn(s, generator=generator).to(torch.bfloat16) for s in shapes]
+    dtype = trainer.optimizers[0].ns_dtype
+    matrices = [torch.randn(s[-2:], generator=generator).to(dtype) for s in shapes for _ in range(math.prod(s[:-2]))]
     start = time.perf_counter()
     for m in matrices:
-        _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, EPS)
+        untimed(m, NS_COEFFICIENTS, 5, EPS, dtype)
     return time.perf_counter() - start
 
 
@@ -191,7 +225,8 @@ def _median_spread(values: list[float]) -> str:
 def step_cost(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    argv = common_args(1000, args.seq_len, args.batch) + ["--validation.enable", "false"]
+    argv = common_args(1000, args.seq_len, args.batch, args.config) + ["--validation.enable", "false",
+                                                                        "--optimizer.muon_ns_dtype", args.ns_dtype]
     scratch = Path(tempfile.mkdtemp(prefix="meshloom-muon-step-"))
     results = {}
     for world in (1, 2):
@@ -209,7 +244,7 @@ def step_cost(args: argparse.Namespace) -> None:
         if proc.returncode != 0:
             raise SystemExit(f"{world} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         results[world] = json.loads(out_file.read_text())
-    (out / "muon_step_cost.json").write_text(json.dumps(results, indent=1))
+    (out / f"muon_step_cost_{args.tag}.json").write_text(json.dumps(results, indent=1))
     print("| layout | optimizer | step s | optimizer.step s | optimizer share | NS s per rank | NS whole model s | ratio |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for world, rows in results.items():
@@ -239,6 +274,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="intra-op threads per process group")
     parser.add_argument("--nproc", type=int, default=1, help="loss: FSDP ranks per run")
+    parser.add_argument("--config", default="llama3_debug.toml", help="recipe under configs/ (llama3 debug by default)")
+    parser.add_argument("--ns-dtype", default="float32", help="step: optimizer.muon_ns_dtype")
+    parser.add_argument("--tag", default="debug", help="loss: name of the run folder and outputs")
     parser.add_argument("--rounds", type=int, default=5, help="step: alternating rounds")
     parser.add_argument("--steps-per-round", type=int, default=3)
     args = parser.parse_args()

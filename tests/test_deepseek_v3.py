@@ -117,7 +117,7 @@ def test_yarn_tables_and_scales_match_transformers(scaling):
 
 
 def test_yarn_rejects_bad_settings():
-    with pytest.raises(ValueError, match="beta_fast > beta_slow"):
+    with pytest.raises(ValueError, match="beta_fast >= beta_slow"):
         YarnScaling(factor=4.0, original_max_seq_len=32, beta_fast=1.0, beta_slow=2.0)
     with pytest.raises(ValueError, match="factor must be > 0"):
         YarnScaling(factor=0.0, original_max_seq_len=32)

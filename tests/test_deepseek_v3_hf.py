@@ -32,9 +32,10 @@ HF_TOKENS = torch.randint(0, 128, (2, 100), generator=torch.Generator().manual_s
 
 
 def random_hf_folder(path: Path, q_lora_rank: int | None, rope_interleave: bool, yarn: bool, norm_topk_prob: bool = True,
-                     n_shared_experts: int = 2) -> object:  # fmt: skip
+                     n_shared_experts: int = 2, **overrides: object) -> object:  # fmt: skip
     """A random DeepseekV3ForCausalLM (1 dense block, 2 MoE blocks of 8 experts in 4 groups, 3 per token from the best
-    2 groups) saved with save_pretrained; random norm scales and balancing bias, so a swapped tensor would show."""
+    2 groups; `overrides` replace config values) saved with save_pretrained; random norm scales and balancing bias, so
+    a swapped tensor would show."""
     transformers = pytest.importorskip("transformers")
     values = {
         "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -47,6 +48,7 @@ def random_hf_folder(path: Path, q_lora_rank: int | None, rope_interleave: bool,
     if yarn:  # mscale != mscale_all_dim, so both YaRN temperatures act
         values["rope_scaling"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 0.8,
                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 16}  # fmt: skip
+    values.update(overrides)
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**values)).eval()
     with torch.no_grad():

@@ -74,7 +74,9 @@ def toy() -> Toy:
 
 
 def make_optimizer(model: nn.Module, adjust: str = "match_rms_adamw") -> torch.optim.Optimizer:
-    config = OptimizerConfig(name="Muon", lr=LR, weight_decay=WEIGHT_DECAY, beta1=BETAS[0], beta2=BETAS[1])
+    # torch.optim.Muon runs Newton-Schulz in bf16; the bitwise comparisons need the same.
+    config = OptimizerConfig(name="Muon", lr=LR, weight_decay=WEIGHT_DECAY, beta1=BETAS[0], beta2=BETAS[1],
+                             muon_ns_dtype="bfloat16")
     config.muon_adjust_lr = adjust
     return build_optimizer(model, config, torch.device("cpu"), adamw_only=adamw_only)
 
@@ -178,11 +180,12 @@ def test_newton_schulz_in_any_dtype_repeats_torchs_operations():
         assert (fp32 - exact).abs().max() < 1e-5 < (torch_bf16.double() - exact).abs().max()
 
 
-def test_float32_newton_schulz_runs_in_float32():
+def test_auto_newton_schulz_runs_in_float32_on_cpu():
     from meshloom.train.muon import NS_COEFFICIENTS, adjusted_lr, newton_schulz_in
 
     model, reference = toy(), toy()
-    config = OptimizerConfig(name="Muon", lr=LR, weight_decay=WEIGHT_DECAY, muon_ns_dtype="float32")
+    config = OptimizerConfig(name="Muon", lr=LR, weight_decay=WEIGHT_DECAY)
+    assert config.muon_ns_dtype == "auto"
     optimizer = build_optimizer(model, config, torch.device("cpu"), adamw_only=adamw_only)
     assert optimizer.ns_dtype == torch.float32
     set_grads(model, 0)
@@ -200,6 +203,41 @@ def test_float32_newton_schulz_runs_in_float32():
         assert torch.allclose(p, expected, rtol=0, atol=1e-7), name
     with pytest.raises(UserError, match="Newton-Schulz dtype must be one of"):
         MuonAdamW([{"kind": "muon", "params": [nn.Parameter(torch.ones(2, 2))]}], ns_dtype="float16")
+
+
+def test_auto_newton_schulz_dtype_and_the_reason_the_summary_gives(tmp_path, monkeypatch):
+    from meshloom.observe import cpu
+    from meshloom.train.ns_dtype import ns_dtype_reason, resolve_ns_dtype
+
+    def reason(setting: str, device_type: str, cpuinfo) -> str:
+        monkeypatch.setattr(cpu, "CPUINFO", cpuinfo)
+        return ns_dtype_reason(setting, device_type)
+
+    assert resolve_ns_dtype("auto", "cuda") == "bfloat16" and resolve_ns_dtype("auto", "cpu") == "float32"
+    assert resolve_ns_dtype("bfloat16", "cpu") == "bfloat16" and resolve_ns_dtype("float32", "cuda") == "float32"
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor : 0\nflags\t\t: fpu sse avx2 fma\n")
+    amx = tmp_path / "amx"
+    amx.write_text("processor : 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert reason("auto", "cpu", avx2) == (
+        "float32 (auto: cpu; no native bf16 matmul here, where bf16 is about 10x slower)")
+    assert reason("auto", "cpu", amx) == (
+        "float32 (auto: cpu; this CPU has avx512_bf16/amx_bf16, set bfloat16 to use it)")
+    assert reason("auto", "cuda", avx2) == "bfloat16 (auto: CUDA)"
+    assert reason("bfloat16", "cpu", avx2) == "bfloat16 (optimizer.muon_ns_dtype)"
+
+
+def test_startup_summary_names_the_newton_schulz_dtype(tmp_path):
+    from meshloom.config.loader import load_config
+    from meshloom.observe.summary import startup_summary
+
+    def summary(*args: str) -> str:
+        config = load_config(["--model.flavor", "tiny", *args])
+        degrees = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
+        return startup_summary(config, tmp_path, 10, 10, degrees, 1, "cpu", 512, 1, tmp_path, 0)
+
+    assert "newton-schulz  float32 (auto: cpu;" in summary("--optimizer.name", "Muon")
+    assert "newton-schulz" not in summary()
 
 
 def test_lambda_lr_drives_both_kinds():
@@ -295,7 +333,7 @@ def test_owner_assignment_balances_cost_and_counts():
         ("muon_momentum", "1.0", "optimizer.muon_momentum must lie in [0, 1), got 1.0"),
         ("muon_ns_steps", "0", "optimizer.muon_ns_steps must lie in [1, 100)"),
         ("muon_lr", "-1", "optimizer.muon_lr must be >= 0 (0 = optimizer.lr), got -1.0"),
-        ("muon_ns_dtype", "float16", "optimizer.muon_ns_dtype must be one of ['bfloat16', 'float32'], got 'float16'"),
+        ("muon_ns_dtype", "float16", "optimizer.muon_ns_dtype must be one of ['auto', 'bfloat16', 'float32'], got 'float16'"),
     ],
 )
 def test_muon_settings_are_checked(key, value, message):

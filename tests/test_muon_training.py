@@ -5,7 +5,7 @@ All runs are fp32 training of the `tiny` model (the parity harness's settings) w
 of one world size share one torchrun launch: 2 ranks (parity and QK-clip cases), 4 ranks, and 2 ranks for the resume
 cases. The mixture-of-experts cases (Qwen3 `tiny_moe`: 2 blocks, dim 64, 8 experts of which each token takes 2, bias
 balancing and both balance losses on) run FSDP 2 and EP 2 inside the 2-rank parity launch, against their own
-1-process reference, with Newton-Schulz in fp32 (optimizer.muon_ns_dtype; see MOE below).
+1-process reference, with the default Newton-Schulz dtype (optimizer.muon_ns_dtype = "auto": fp32 on CPU; see MOE).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ MUON = "optimizer.name=Muon"
 MUON_LAYOUTS = ["dp_shard=2", "tp=2", "pp=2", "dp_replicate=2,dp_shard=2", "dp_shard=2,tp=2"]
 # bf16 Newton-Schulz turns the last-bit gradient differences of a layout into rounding flips of the update; on this MoE
 # model (bias balancing only) the loss drifts from step 3 to 1.5e-5 (FSDP 2) and 6.9e-5 (EP 2) by step 10, above the
-# 1e-5 bound. With fp32 Newton-Schulz both stay within 4.8e-7 of one process.
-MOE = ("model.name=qwen3,model.flavor=tiny_moe,moe.aux_loss_coef=1e-2,moe.z_loss_coef=1e-3,"
-       "optimizer.muon_ns_dtype=float32")
+# 1e-5 bound. The default ("auto") runs it in fp32 on CPU, where both stay within 4.8e-7 of one process.
+MOE = "model.name=qwen3,model.flavor=tiny_moe,moe.aux_loss_coef=1e-2,moe.z_loss_coef=1e-3"
 MOE_LAYOUTS = [f"dp_shard=2,{MOE}", f"dp_shard=2,ep=2,{MOE}"]
 # Newton-Schulz rounds every update to bf16, so the last-bit gradient differences between layouts come back as rounding
 # flips; at the harness's learning rate (1e-2) Muon's curves already sit within 0.3-0.9 of the fp32 tolerance, so the
@@ -52,7 +51,7 @@ MOE_LAYOUTS = [f"dp_shard=2,{MOE}", f"dp_shard=2,ep=2,{MOE}"]
 # start near 0.15).
 CLIP_LR = 5e-3
 TAU = 0.01
-CLIP_LAYOUTS = ["tp=2", "dp_shard=2", "pp=2", "dp_shard=2,tp=2"]
+CLIP_LAYOUTS = ["tp=2", "dp_shard=2", "pp=2", "cp=2", "dp_shard=2,tp=2"]
 STEPS = 10
 
 
@@ -323,10 +322,14 @@ def test_qk_clip_is_refused_where_it_cannot_work():
         load_config(["--optimizer.qk_clip_threshold", "-1"])
     toy = ["--model.plugin", "tests.toy_family", "--model.name", "toy", "--model.flavor", "tiny"]
     toy += ["--optimizer.qk_clip_threshold", "50"]
-    with pytest.raises(ConfigError, match=r"toy model family's attention does not factor per head .* = 0"):
+    with pytest.raises(ConfigError, match=r"toy model family does not offer it \(its attention does not factor per head\).* = 0"):
         RunPlan.build(load_config(toy), 1)
-    cp = ["--optimizer.qk_clip_threshold", "50", "--parallelism.cp", "2", "--training.seq_len", "64"]
-    with pytest.raises(ConfigError, match=r"parallelism.cp = 2: .* set parallelism.cp = 1"):
+    qwen3 = ["--model.name", "qwen3", "--model.flavor", "tiny", "--optimizer.qk_clip_threshold", "50"]
+    with pytest.raises(ConfigError, match=r"qwen3 model family does not offer it \(its QK-norm RMS-normalises"):
+        RunPlan.build(load_config(qwen3), 1)
+    for name in ("llama3", "deepseek_v3"):  # context parallel takes the maxima over cp
+        cp = ["--model.name", name, "--model.flavor", "tiny", "--optimizer.qk_clip_threshold", "50",
+              "--parallelism.cp", "2", "--training.seq_len", "64"]  # fmt: skip
         RunPlan.build(load_config(cp), 2)
     RunPlan.build(load_config(["--optimizer.qk_clip_threshold", "50", "--parallelism.tp", "2"]), 2)  # llama3: fine
 

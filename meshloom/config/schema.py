@@ -120,10 +120,11 @@ class OptimizerConfig:
     muon_ns_steps: int = 5
     """Muon only: Newton-Schulz iterations that orthogonalise each update (in optimizer.muon_ns_dtype)."""
 
-    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Muon only: dtype of the Newton-Schulz iterations (and of the update shards sent to the rank that runs them).
-    bfloat16 is torch.optim.Muon's choice (half the traffic, fast on GPUs); float32 keeps a layout's result within fp32
-    rounding of one process's, where bf16 rounding turns last-bit gradient differences into visible loss drift."""
+    auto = bfloat16 on CUDA (torch.optim.Muon's choice: half the traffic, fast on GPUs) and float32 on CPU (bf16 matmul
+    there is about 10x slower without native bf16 instructions, and fp32 keeps a layout's result within fp32 rounding of
+    one process's, where bf16 rounding turns last-bit gradient differences into visible loss drift)."""
 
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Muon only: per-matrix learning-rate scale, 0.2*sqrt(max(m, n)) so updates match AdamW's RMS (reuse AdamW's lr and

@@ -30,7 +30,7 @@ from meshloom.parallel.apply import ParallelParts
 
 if TYPE_CHECKING:
     from meshloom.config.schema import Config
-    from meshloom.models.common.qk_clip import QKClipTarget
+    from meshloom.models.common.qk_clip import ClipTarget
     from meshloom.models.hf_adapter import HFAdapter
     from meshloom.parallel.dims import ParallelDims
 
@@ -54,10 +54,11 @@ class ModelSpec:
     adamw_only: Callable[[str], bool] = lambda name: False
     # Auxiliary losses the model computes itself in training (see the module docstring): name -> weight.
     aux_losses: Callable[[Any], Mapping[str, float]] = lambda args: {}
-    # QK-clip (optimizer.qk_clip_threshold): the attention layers of a model part whose query and key projections hold
-    # each head's rows contiguously, to track and rescale per head; None = the family's attention does not factor per
-    # head (latent or normalised q/k), and QK-clip is refused.
-    qk_clip: Callable[[nn.Module], list[QKClipTarget]] | None = None
+    # QK-clip (optimizer.qk_clip_threshold): the attention layers of a model part, each with the rows of its projections
+    # that rescale a head's logits (meshloom.models.common.qk_clip); None = QK-clip is refused, with qk_clip_refusal
+    # (why the family's attention cannot be clipped per head) in the error.
+    qk_clip: Callable[[nn.Module], list[ClipTarget]] | None = None
+    qk_clip_refusal: str = ""
 
     @property
     def args_cls(self) -> type:

@@ -8,7 +8,7 @@ from pathlib import Path
 CPUINFO = Path("/proc/cpuinfo")
 
 # x86 flags for bf16 matmul in hardware (AVX512-BF16, AMX-BF16); Arm lists "bf16" among its Features.
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 def _cpuinfo_field(names: tuple[str, ...]) -> str | None:
@@ -42,4 +42,10 @@ def cpu_has_native_bf16() -> bool | None:
     than fp32, so bf16 autocast and bf16 Newton-Schulz steps lose instead of gaining.
     """
     flags = cpu_flags()
-    return None if flags is None else bool(flags & NATIVE_BF16_FLAGS)
+    return None if flags is None else bool(native_bf16_flags())
+
+
+def native_bf16_flags() -> list[str]:
+    """The native bf16 matmul flags this CPU advertises (empty where there are none or its flags are unknown)."""
+    flags = cpu_flags() or frozenset()
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]

@@ -8,6 +8,7 @@ from meshloom.config.schema import Config
 from meshloom.observe.cpu import cpu_has_native_bf16
 from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
 from meshloom.parallel.resize import describe_resize
+from meshloom.train.ns_dtype import ns_dtype_reason
 
 
 def _count(n: float) -> str:
@@ -70,6 +71,9 @@ def startup_summary(
     ]
     if (warning := bf16_cpu_warning(t.mixed_precision, device)) is not None:
         lines.append(f"  note           {warning}")
+    if config.optimizer.name == "Muon":
+        device_type = device.split(":")[0]
+        lines.insert(5, f"  newton-schulz  {ns_dtype_reason(config.optimizer.muon_ns_dtype, device_type)}")
     if config.job.description:
         lines.insert(1, f"  description    {config.job.description}")
     return "\n".join(lines)

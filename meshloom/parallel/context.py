@@ -306,5 +306,18 @@ class RingAttentionCore:
         blocks = self.blocks.get(layout, q.shape[2], document_ids) if self.ring.size > 1 else None
         return ring_attention(q, k, v, self.ring, layout, document_ids=document_ids, blocks=blocks)
 
+    @torch.no_grad()
+    def whole_sequence_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every rank's key shard, gathered (no gradient): (keys [b, h, seq, d] in the ranks' shard order, this rank's
+        query positions [seq / cp], the keys' positions [seq]). QK-clip scores this rank's queries against them to find
+        each head's largest logit over pairs that sit on different ranks."""
+        cp, shard = self.ring.size, k.shape[2]
+        # Concatenated along dim 0 (the layout gloo and NCCL both take), then each rank's shard put in sequence order.
+        gathered = torch.empty((cp * k.shape[0], *k.shape[1:]), dtype=k.dtype, device=k.device)
+        dist.all_gather_into_tensor(gathered, k.contiguous(), group=self.ring.group)
+        keys = gathered.unflatten(0, (cp, k.shape[0])).permute(1, 2, 0, 3, 4).flatten(2, 3)
+        positions = [self.layout.positions(cp * shard, r, k.device) for r in range(cp)]
+        return keys, positions[self.ring.rank], torch.cat(positions)
+
     def __repr__(self) -> str:
         return f"RingAttentionCore(cp={self.ring.size}, load_balance={self.layout.load_balance})"

@@ -111,6 +111,8 @@ class Curve:
     validation: float | None = None
     # Per-step auxiliary losses the model reports itself (e.g. mtp_loss), by name.
     aux: dict[str, list[float]] = field(default_factory=dict)
+    # Per-step count of attention heads QK-clip rescaled (all zero unless optimizer.qk_clip_threshold > 0).
+    clipped_heads: list[int] = field(default_factory=list)
 
 
 def run_steps(argv: list[str]) -> Curve:
@@ -119,9 +121,12 @@ def run_steps(argv: list[str]) -> Curve:
     from meshloom.train.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
-    results = [trainer.train_step() for _ in range(trainer.config.training.steps)]
+    results, clipped = [], []
+    for _ in range(trainer.config.training.steps):
+        results.append(trainer.train_step())
+        clipped.append(trainer.qk_clip.clipped_heads)
     aux = {name: [r.aux[name] for r in results] for name in (results[0].aux if results else {})}
-    return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate(), aux)
+    return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate(), aux, clipped)
 
 
 def torchrun(module: str, world_size: int, args: list[str]) -> None:

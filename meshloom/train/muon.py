@@ -26,11 +26,11 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_v
 from torch.optim.adamw import adamw
 
 from meshloom.config.errors import UserError
+from meshloom.train.ns_dtype import NS_DTYPES
 from meshloom.train.orthogonalize import Bucket, build_buckets, local_tensor
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 ADJUST_LR_MODES = ("match_rms_adamw", "original")
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def newton_schulz(matrix: Tensor, coefficients: Sequence[float], steps: int, eps: float, dtype: torch.dtype) -> Tensor:
@@ -74,7 +74,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Keyword arguments are the defaults of groups that do not set a value; ``eps`` is Muon's Newton-Schulz norm floor
     and ``adamw_eps`` AdamW's epsilon (a group's own ``eps`` is the one of its kind). ``ns_dtype`` ("bfloat16" as
-    torch.optim.Muon, or "float32") is the dtype Newton-Schulz runs in and the update shards travel in.
+    torch.optim.Muon, or "float32"; the config's "auto" is resolved by ``meshloom.train.ns_dtype``) is the dtype Newton-Schulz runs in and the update shards travel in.
     """
 
     def __init__(
@@ -220,10 +220,15 @@ class MuonAdamW(torch.optim.Optimizer):
         for p, group in group_of.items():
             if p.grad is None:
                 continue
-            grad = local_tensor(p.grad)
+            grad = p.grad
+            if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+                # A replicated weight fed by sequence-sharded inputs (tensor parallel's sequence-parallel regions, e.g.
+                # MLA's down-projections) gets a pending sum over tp: complete it, as AdamW's DTensor arithmetic does.
+                grad = grad.redistribute(grad.device_mesh, p.placements)
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            grad = local_tensor(grad)
             buf = local_tensor(state["momentum_buffer"])
             buf.lerp_(grad, 1 - group["momentum"])
             update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf

@@ -10,6 +10,7 @@ from torch import nn
 from meshloom.config.errors import UserError
 from meshloom.config.schema import OptimizerConfig
 from meshloom.train.muon import MuonAdamW, muon_param_groups
+from meshloom.train.ns_dtype import resolve_ns_dtype
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -55,7 +56,7 @@ def build_optimizer(
             momentum=config.muon_momentum,
             nesterov=config.muon_nesterov,
             ns_steps=config.muon_ns_steps,
-            ns_dtype=config.muon_ns_dtype,
+            ns_dtype=resolve_ns_dtype(config.muon_ns_dtype, device.type),
             adjust_lr_fn=config.muon_adjust_lr,
         )
     return torch.optim.AdamW(

@@ -8,10 +8,10 @@ maximum comes from:
 - tensor parallel: a head lives on one tp rank, which alone computed its maximum; every rank fills its own heads into a
   vector of all heads and a MAX all-reduce over tp completes it (each rank needs every factor of the rows it holds);
 - data parallel (replicate and shard): each rank saw other sequences, so the maxima are MAX-reduced over ``dp_cp``;
+- context parallel: a rank holds one shard of every sequence; its attention scores its own queries against the whole
+  sequence's keys (gathered over cp, no gradient), so each rank has the maxima of its queries and a MAX over
+  ``dp_cp`` completes them, as for data parallel;
 - pipeline parallel: stages hold different layers, so nothing is reduced; the clipped-head count is summed over pp.
-
-Context parallel is refused: a rank holds one shard of each sequence, and the maximum over query/key pairs that sit on
-different ranks is never formed (the ring attention does not expose it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.models.common.qk_clip import QKClipTarget, clip_factors, scale_head_rows_
+from meshloom.models.common.qk_clip import ClipTarget, scale_rows_
 from meshloom.models.spec import ModelSpec
 from meshloom.parallel.dims import ParallelDims
 from meshloom.train.orthogonalize import local_tensor
@@ -34,16 +34,10 @@ def check_qk_clip_config(config: Config, spec: ModelSpec, dims: ParallelDims) ->
     if tau <= 0:
         return
     if spec.qk_clip is None:
+        reason = spec.qk_clip_refusal or "its attention does not factor per head"
         raise ConfigError(
             f"optimizer.qk_clip_threshold = {tau} rescales each attention head's query and key projections, but the "
-            f"{spec.name} model family's attention does not factor per head (its ModelSpec has no qk_clip); "
-            "set optimizer.qk_clip_threshold = 0"
-        )
-    if dims.cp > 1:
-        raise ConfigError(
-            f"optimizer.qk_clip_threshold = {tau} with parallelism.cp = {dims.cp}: a head's largest logit spans "
-            "query/key pairs on different context-parallel ranks, which is not computed; set parallelism.cp = 1 or "
-            "optimizer.qk_clip_threshold = 0"
+            f"{spec.name} model family does not offer it ({reason}); set optimizer.qk_clip_threshold = 0"
         )
 
 
@@ -58,7 +52,7 @@ def _first_row(param: Tensor) -> int:
 class QKClip:
     """Tracks and clips the attention heads of this rank's model parts; inert when the threshold is 0."""
 
-    def __init__(self, targets: list[QKClipTarget], tau: float, dims: ParallelDims | None):
+    def __init__(self, targets: list[ClipTarget], tau: float, dims: ParallelDims | None):
         self.targets, self.tau, self.dims = targets, tau, dims
         self.enabled = tau > 0
         self.clipped_heads = 0  # at the latest update, over the whole model
@@ -89,10 +83,10 @@ class QKClip:
             heads = maxima[offset : offset + target.n_heads]
             offset += target.n_heads
             clipped += (heads > self.tau).sum()
-            q_factor, k_factor = clip_factors(heads, self.tau, target.n_kv_heads)
-            for param, factors in ((target.wq, q_factor), (target.wk, k_factor)):
-                if bool((factors < 1).any()):
-                    scale_head_rows_(local_tensor(param), _first_row(param), factors, target.head_dim)
+            if not bool((heads > self.tau).any()):
+                continue
+            for param, factors in target.row_factors(heads, self.tau):
+                scale_rows_(local_tensor(param), _first_row(param), factors)
         if self.dims is not None and self.dims.pp > 1:
             dist.all_reduce(clipped, group=self.dims.mesh("pp").get_group())
         self.discard()

@@ -30,6 +30,7 @@ import math
 import torch
 from torch import nn
 
+from meshloom.models.common import qk_clip
 from meshloom.models.common.attention import RopeFn, causal_attention, masked_attention, rotate
 from meshloom.models.common.init import trunc_normal_
 from meshloom.models.common.norm import RMSNorm
@@ -80,6 +81,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.core = causal_attention
         # Set only while generating (meshloom.inference.kv_cache.KVCache installs and removes it).
         self.kv_cache = None
+        # QK-clip turns this on: training forwards then record each local head's largest logit (see qk_clip.py).
+        self.track_max_logits = False
+        self.max_logits: torch.Tensor | None = None
         # The core scales by 1/sqrt(qk head dim); a different softmax scale is folded into q instead, so that
         # every core (SDPA, the context-parallel ring) keeps its plain signature.
         scale = self.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
@@ -110,6 +114,8 @@ class MultiHeadLatentAttention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
+        if self.track_max_logits and self.training:  # q carries the softmax scale: these are the real logits
+            qk_clip.track(self, q, k, document_ids)
         out = self.core(q, k, v, document_ids) if mask is None else masked_attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).flatten(2))
 

@@ -13,6 +13,9 @@ exceeds it is split evenly between q and k, and heads of the group that were alr
 shared k shrinks with the group's worst head). Applied to weights, this assumes q and k are linear in their projection
 rows up to a per-head rotation (RoPE): a family with QK-norm must not offer it (the norm would undo the scale).
 
+Multi-head latent attention has no per-head key projection: a head's key is its own position-free part (through the kv
+up-projection) next to one rotated key shared by every head. ``MLAClipTarget`` follows the Kimi K2 report for it.
+
 Nothing here talks to other ranks: ``meshloom.train.qk_clip`` reduces the maxima over the ranks that see each head and
 applies the factors to local shards.
 """
@@ -41,20 +44,73 @@ class QKClipTarget:
     n_kv_heads: int
     head_dim: int
 
+    def row_factors(self, max_logits: Tensor, tau: float) -> list[tuple[Tensor, Tensor]]:
+        """(parameter, factor of each of its global rows) for the heads' maxima [n_heads]; rows of untouched heads
+        get 1."""
+        q_factor, k_factor = clip_factors(max_logits, tau, self.n_kv_heads)
+        return [(self.wq, q_factor.repeat_interleave(self.head_dim)), (self.wk, k_factor.repeat_interleave(self.head_dim))]
+
+
+@dataclass(frozen=True)
+class MLAClipTarget:
+    """One multi-head latent attention layer (meshloom.models.common.mla), clipped as the Kimi K2 report does.
+
+    A head's logit is ``q_C . k_C + q_R . k_R`` (scaled): q_C and q_R are its rows of ``wq`` (the query projection, or
+    the q-LoRA up-projection ``wq_b``), ``qk_nope`` then ``qk_rope`` rows per head; k_C is its ``qk_nope`` rows of the
+    kv up-projection ``wkv_b`` (followed by its ``v_head_dim`` value rows); k_R is the one rotated key every head
+    shares. With ``gamma = tau / max`` for a head above tau: q_C and k_C rows scale by sqrt(gamma), q_R rows by gamma,
+    and the shared rotary key (and every value row) stays as it is, so the head's logits scale by exactly gamma."""
+
+    name: str
+    attention: nn.Module
+    wq: Tensor
+    wkv_b: Tensor
+    n_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def row_factors(self, max_logits: Tensor, tau: float) -> list[tuple[Tensor, Tensor]]:
+        gamma = torch.where(max_logits > tau, tau / max_logits, torch.ones_like(max_logits))[:, None]
+        root, one = gamma.sqrt(), torch.ones_like(gamma)
+        q_rows = torch.cat([root.expand(-1, self.qk_nope_head_dim), gamma.expand(-1, self.qk_rope_head_dim)], dim=1)
+        kv_rows = torch.cat([root.expand(-1, self.qk_nope_head_dim), one.expand(-1, self.v_head_dim)], dim=1)
+        return [(self.wq, q_rows.flatten()), (self.wkv_b, kv_rows.flatten())]
+
+
+ClipTarget = QKClipTarget | MLAClipTarget
+
+
+def mla_clip_target(name: str, attention: nn.Module) -> MLAClipTarget:
+    """The target of a MultiHeadLatentAttention module, q-LoRA on (wq_b) or off (wq)."""
+    wq = (attention.wq if attention.wq is not None else attention.wq_b).weight
+    return MLAClipTarget(
+        name, attention, wq, attention.wkv_b.weight, wq.shape[0] // attention.qk_head_dim,
+        attention.qk_nope_head_dim, attention.qk_rope_head_dim, attention.v_head_dim,
+    )  # fmt: skip
+
 
 @torch.no_grad()
-def head_max_logits(q: Tensor, k: Tensor, document_ids: Tensor | None = None) -> Tensor:
-    """Per query head, the largest logit the softmax sees: q [b, hq, s, d], k [b, hkv, s, d] (hq a multiple of hkv,
+def head_max_logits(
+    q: Tensor, k: Tensor, document_ids: Tensor | None = None, positions: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """Per query head, the largest logit the softmax sees: q [b, hq, sq, d], k [b, hkv, sk, d] (hq a multiple of hkv,
     query head i reads kv head i // (hq / hkv)) -> float32 [hq]. Scores are formed one kv head's group at a time, so at
-    most [b, hq / hkv, s, s] of them exist at once; the scale is SDPA's default, 1 / sqrt(d)."""
-    b, hq, s, d = q.shape
-    hkv = k.shape[1]
+    most [b, hq / hkv, sq, sk] of them exist at once; the scale is SDPA's default, 1 / sqrt(d). Without `positions`
+    q and k are the same whole sequences (causal: key j <= query i, and inside one document under `document_ids`);
+    with ``positions = (q_positions [sq], k_positions [sk])`` a query sees the keys at or before its position (a
+    context-parallel shard of queries against the whole sequence's keys)."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
     n_rep = hq // hkv
     scale = 1.0 / math.sqrt(d)
-    allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    if positions is None:
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+    else:
+        allowed = positions[1][None, :] <= positions[0][:, None]
     if document_ids is not None:
         allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])  # [b, s, s]
-    allowed = allowed.expand(b, s, s)[:, None]
+    allowed = allowed.expand(b, sq, sk)[:, None]
     maxima = []
     for g in range(hkv):
         scores = q[:, g * n_rep : (g + 1) * n_rep].float() @ k[:, g, None].float().transpose(-1, -2)
@@ -65,8 +121,16 @@ def head_max_logits(q: Tensor, k: Tensor, document_ids: Tensor | None = None) ->
 
 def track(attention: nn.Module, q: Tensor, k: Tensor, document_ids: Tensor | None) -> None:
     """Fold this forward's per-head maxima into ``attention.max_logits`` (the step's running maximum). Activation
-    checkpointing recomputes the same values, which leaves a maximum unchanged."""
-    current = head_max_logits(q, k, document_ids)
+    checkpointing recomputes the same values, which leaves a maximum unchanged. An attention core that holds only a
+    shard of the sequence (context parallel's ring) offers ``whole_sequence_keys(k) -> (keys, q_positions,
+    k_positions)``: this rank's queries are then scored against every key of the sequence that they see."""
+    whole = getattr(attention.core, "whole_sequence_keys", None)
+    if whole is None:
+        current = head_max_logits(q, k, document_ids)
+    else:
+        keys, q_positions, k_positions = whole(k)
+        # The ring refuses document masks itself, right after this.
+        current = head_max_logits(q, keys, None, (q_positions, k_positions))
     previous = attention.max_logits
     attention.max_logits = current if previous is None else torch.maximum(previous, current)
 
@@ -84,7 +148,7 @@ def clip_factors(max_logits: Tensor, tau: float, n_kv_heads: int) -> tuple[Tenso
 
 
 @torch.no_grad()
-def scale_head_rows_(local: Tensor, first_row: int, head_factors: Tensor, head_dim: int) -> None:
-    """Multiply a local block of a projection weight, starting at global row ``first_row``, by its heads' factors."""
-    rows = head_factors.repeat_interleave(head_dim)[first_row : first_row + local.shape[0]]
+def scale_rows_(local: Tensor, first_row: int, row_factors: Tensor) -> None:
+    """Multiply a local block of a weight, starting at global row ``first_row``, by its rows' factors."""
+    rows = row_factors[first_row : first_row + local.shape[0]]
     local.mul_(rows.to(local.dtype)[:, None])

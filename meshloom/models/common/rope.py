@@ -148,9 +148,10 @@ class YarnScaling:
             raise UserError(f"yarn rope_scaling.factor must be > 0, got {self.factor}")
         if self.original_max_seq_len <= 0:
             raise UserError(f"yarn rope_scaling.original_max_seq_len must be > 0, got {self.original_max_seq_len}")
-        if not self.beta_fast > self.beta_slow > 0:
+        # Equal betas (Kimi K2 ships beta_fast = beta_slow = 1) make the ramp a step, as in Hugging Face's YaRN.
+        if not self.beta_fast >= self.beta_slow > 0:
             raise UserError(
-                f"yarn rope_scaling needs beta_fast > beta_slow > 0, got beta_fast={self.beta_fast}, beta_slow={self.beta_slow}"
+                f"yarn rope_scaling needs beta_fast >= beta_slow > 0, got beta_fast={self.beta_fast}, beta_slow={self.beta_slow}"
             )
 
     @property

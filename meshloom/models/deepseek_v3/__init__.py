@@ -1,5 +1,8 @@
 """DeepSeek-V3 model family: `SPEC` is everything the rest of meshloom knows about it."""
 
+from torch import nn
+
+from meshloom.models.common.qk_clip import MLAClipTarget, mla_clip_target
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
 from meshloom.models.deepseek_v3.flavors import DEEPSEEK_V3_FLAVORS
 from meshloom.models.deepseek_v3.hf import DeepSeekV3HFAdapter
@@ -11,6 +14,13 @@ from meshloom.models.deepseek_v3.parallelize import (
 from meshloom.models.deepseek_v3.shape import DeepSeekV3Shape
 from meshloom.models.spec import ModelSpec
 
+def qk_clip_targets(model: DeepSeekV3) -> list[MLAClipTarget]:
+    """Every block's latent attention, the multi-token prediction modules' blocks included."""
+    blocks: list[tuple[str, nn.Module]] = [(f"layers.{i}", block) for i, block in model.layers.items()]
+    blocks += [(f"mtp.{k}.block", module.block) for k, module in (model.mtp or {}).items()]
+    return [mla_clip_target(f"{name}.attention", block.attention) for name, block in blocks]
+
+
 SPEC = ModelSpec(
     name="deepseek_v3",
     model_cls=DeepSeekV3,
@@ -21,6 +31,7 @@ SPEC = ModelSpec(
     hf=DeepSeekV3HFAdapter(),
     adamw_only=lambda name: name.startswith(("tok_embeddings.", "output.")) or ".moe.router." in name,
     aux_losses=lambda args: {MTP_LOSS: args.mtp_loss_weight} if args.mtp_depth else {},
+    qk_clip=qk_clip_targets,
 )
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "SPEC", "DeepSeekV3", "DeepSeekV3Args"]

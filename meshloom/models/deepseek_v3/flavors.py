@@ -12,6 +12,14 @@ the file named beside it:
   rms_norm_eps 1e-6, rope_theta 10000, rope_scaling yarn (factor 40, original_max_position_embeddings 4096,
   beta_fast 32, beta_slow 1, mscale 1.0, mscale_all_dim 1.0), max_position_embeddings 163840,
   num_nextn_predict_layers 1. The multi-token-prediction weight 0.3 is the report's value for its first 10T tokens.
+* kimi_k2: huggingface.co/moonshotai/Kimi-K2-Base (and -Instruct, the same shape), config.json, model_type "kimi_k2"
+  on DeepseekV3ForCausalLM: 61 layers, first_k_dense_replace 1, hidden 7168, intermediate 18432, 64 heads,
+  q_lora_rank 1536, kv_lora_rank 512, head dims 128/64/128, 384 routed experts (moe_intermediate_size 2048), 8 per
+  token, 1 shared, n_group = topk_group = 1 (no group limit), sigmoid scores renormalised, routed_scaling_factor
+  2.827, vocab 163840, rms_norm_eps 1e-6, rope_theta 50000, rope_scaling yarn (factor 32,
+  original_max_position_embeddings 4096, beta_fast = beta_slow = 1, mscale = mscale_all_dim = 1),
+  max_position_embeddings 131072, no multi-token prediction (num_nextn_predict_layers 0). (The later
+  Kimi-K2-Instruct-0905 stretches the context to 262144 with yarn factor 64.)
 
 Parameter counts (shape model, tests/test_deepseek_v3.py): 671B holds 671.03B without its prediction module and
 multiplies 36.63B per token besides the embedding lookup (DeepSeek: 671B, 36.6B "including 0.9B for the output
@@ -20,6 +28,8 @@ the embedding and the head, which are shared here). 16B: 15.71B, 2.45B per token
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from meshloom.models.common.rope import YarnScaling
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
@@ -58,4 +68,14 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         rope_scaling=YarnScaling(factor=40.0, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0),
         mtp_depth=1, mtp_loss_weight=0.3,
     ),
+    "kimi_k2": DeepSeekV3Args(
+        dim=7168, n_layers=61, n_dense_layers=1, n_heads=64, vocab_size=163840, inter_dim=18432, max_seq_len=131072,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        moe_inter_dim=2048, n_routed_experts=384, n_shared_experts=1, n_activated_experts=8, n_expert_groups=1,
+        n_limited_groups=1, score_func="sigmoid", route_norm=True, route_scale=2.827, rope_theta=50000.0,
+        rope_scaling=YarnScaling(factor=32.0, original_max_seq_len=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                                 mscale_all_dim=1.0),
+    ),
 }
+# Tests: "tiny" with queries projected straight from the input (no q-LoRA).
+DEEPSEEK_V3_FLAVORS["tiny_no_q_lora"] = dataclasses.replace(DEEPSEEK_V3_FLAVORS["tiny"], q_lora_rank=0)
