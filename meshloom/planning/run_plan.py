@@ -24,6 +24,7 @@ from meshloom.parallel.float8 import check_float8_config
 from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline
 from meshloom.observe.profiler import check_profiling_config
 from meshloom.train.qk_clip import check_qk_clip_config
+from meshloom.train.replicas import check_fault_tolerance, replica_groups
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,9 @@ class RunPlan:
         _check_generic_layout(spec.shape_model(args), dims)
         spec.check_layout(args, dims)
         pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
-        grad_accum_steps = _grad_accum_steps(config, dims.dp)
+        check_fault_tolerance(config, dims.dp_replicate)
+        # Replica groups (fault_tolerance) share each global batch like data-parallel ranks.
+        grad_accum_steps = _grad_accum_steps(config, dims.dp * replica_groups(config))
         check_activation_checkpoint_config(config.activation_checkpoint, config.compile.enable)
         check_profiling_config(config.profiling)
         check_qk_clip_config(config, spec, dims)
@@ -101,6 +104,6 @@ def _grad_accum_steps(config: Config, dp: int) -> int:
     if global_batch % per_microbatch:
         raise ConfigError(
             f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x data-parallel "
-            f"degree = {tc.local_batch_size} x {dp}; change one of them"
+            f"degree (x replica groups) = {tc.local_batch_size} x {dp}; change one of them"
         )
     return global_batch // per_microbatch
