@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -41,3 +42,20 @@ class FaultToleranceConfig:
     replica_check_interval: int = 0
     """Every this many steps, compare a hash of the parameters across groups and stop on a mismatch (silent data
     corruption); 0 = never."""
+
+    semi_sync: Literal["", "diloco", "local_sgd"] = ""
+    """"" = every step averages gradients over the groups; "diloco" or "local_sgd" = each group trains alone for
+    sync_every steps, then torchft's DiLoCo averages pseudo-gradients (applied by an outer SGD) or LocalSGD
+    averages the weights."""
+
+    sync_every: int = 20
+    """semi_sync: steps between two syncs of the groups."""
+
+    outer_lr: float = 0.7
+    """diloco: learning rate of the outer SGD that applies the averaged pseudo-gradient."""
+
+    outer_momentum: float = 0.9
+    """diloco: momentum of the outer SGD."""
+
+    outer_nesterov: bool = True
+    """diloco: Nesterov momentum for the outer SGD."""

@@ -95,6 +95,9 @@ def _check_fault_tolerance(config: Config) -> None:
     )
     for name in ("timeout_seconds", "quorum_timeout_seconds", "connect_timeout_seconds"):
         _require(getattr(ft, name) > 0, f"fault_tolerance.{name} must be positive, got {getattr(ft, name)}")
+    _require(ft.sync_every >= 1, f"fault_tolerance.sync_every must be >= 1, got {ft.sync_every}")
+    _require(ft.outer_lr > 0, f"fault_tolerance.outer_lr must be positive, got {ft.outer_lr}")
+    _require(0 <= ft.outer_momentum < 1, f"fault_tolerance.outer_momentum must lie in [0, 1), got {ft.outer_momentum}")
     _require(ft.start_wait_seconds >= 0, f"fault_tolerance.start_wait_seconds must be >= 0, got {ft.start_wait_seconds}")
     _require(
         ft.replica_check_interval >= 0,

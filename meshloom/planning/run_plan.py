@@ -56,7 +56,7 @@ class RunPlan:
         _check_generic_layout(spec.shape_model(args), dims)
         spec.check_layout(args, dims)
         pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
-        check_fault_tolerance(config, dims.dp_replicate)
+        check_fault_tolerance(config, dims.dp_replicate, dims.pp)
         # Replica groups (fault_tolerance) share each global batch like data-parallel ranks.
         grad_accum_steps = _grad_accum_steps(config, dims.dp * replica_groups(config))
         check_activation_checkpoint_config(config.activation_checkpoint, config.compile.enable)

@@ -79,7 +79,7 @@ def check_within_group(model_parts: list[nn.Module]) -> None:
         mesh, dim = meshes[key], key[1]
         group = mesh.get_group(dim)
         local = torch.stack([fp for _, fp in items])
-        gathered = _gather(local, mesh.size(dim), lambda out, t: dist.all_gather(out, t, group=group))
+        gathered = _gather(local, mesh.size(dim), lambda out, t, g=group: dist.all_gather(out, t, group=g))
         if (found := _first_mismatch([n for n, _ in items], gathered)) is not None:
             name, odd = found
             ranks = [dist.get_global_rank(group, i) for i in odd]

@@ -14,7 +14,13 @@ from typing import Any
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from meshloom.checkpoint.state import DataState, ModelState, OptimizerState, TrainingParts, TrainState
+from meshloom.checkpoint.state import (
+    DataState,
+    ModelState,
+    OptimizerState,
+    TrainingParts,
+    TrainState,
+)
 
 
 def _local(value: Any) -> Any:
@@ -38,16 +44,18 @@ def _like(template: dict[str, Any], received: dict[str, Any]) -> dict[str, Any]:
 class ReplicaState:
     def __init__(self, parts: TrainingParts):
         self.progress = parts.progress
+        self.model_parts = parts.model_parts
+        self.optimizer = parts.optimizers[0]
         self.data_loader = parts.data_loader
         self.model = ModelState(parts.model_parts)
-        self.optimizer = OptimizerState(parts.model_parts, parts.optimizers)
+        self.optimizer_state = OptimizerState(parts.model_parts, parts.optimizers)
         self.train = TrainState(parts.progress, parts.lr_scheduler)
         self.data = DataState(parts.data_loader, "loader")
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "model": tree_map(_local, self.model.state_dict()),
-            "optimizer": tree_map(_local, self.optimizer.state_dict()),
+            "optimizer": tree_map(_local, self.optimizer_state.state_dict()),
             "train": self.train.state_dict(),
             "data": self.data.state_dict(),
         }
@@ -55,6 +63,6 @@ class ReplicaState:
     def load_state_dict(self, received: dict[str, Any]) -> None:
         self.model.load_state_dict(_like(self.model.state_dict(), received["model"]))
         # A group that has not stepped yet has no optimizer state: reading the template creates it.
-        self.optimizer.load_state_dict(_like(self.optimizer.state_dict(), received["optimizer"]))
+        self.optimizer_state.load_state_dict(_like(self.optimizer_state.state_dict(), received["optimizer"]))
         self.train.load_state_dict(received["train"])
         self.data.load_state_dict(received["data"])

@@ -37,7 +37,12 @@ from meshloom.config.fault_tolerance import FaultToleranceConfig
 from meshloom.config.schema import Config
 from meshloom.parallel.distributed import rank, restart_attempt, share_error
 from meshloom.parallel.tensor import local_value
-from meshloom.train.replica_check import SilentCorruptionError, check_across_groups, check_within_group
+from meshloom.train.replica_check import (
+    SilentCorruptionError,
+    check_across_groups,
+    check_within_group,
+)
+from meshloom.train.semi_sync import check_semi_sync, start_semi_sync
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 EXTRA_HINT = 'pip install -e ".[ft]"'
@@ -59,7 +64,7 @@ def torchft_installed() -> bool:
         return False
 
 
-def check_fault_tolerance(config: Config, dp_replicate: int) -> None:
+def check_fault_tolerance(config: Config, dp_replicate: int, pp: int = 1) -> None:
     """The settings and layouts replica groups cannot run with (called by RunPlan.build)."""
     ft = config.fault_tolerance
     if not ft.enable:
@@ -76,6 +81,7 @@ def check_fault_tolerance(config: Config, dp_replicate: int) -> None:
             "fault_tolerance.enable with training.nonfinite = 'rollback' would reload a disk checkpoint in one group "
             "only; choose training.nonfinite = 'halt' or 'skip_step'"
         )
+    check_semi_sync(ft, pp)
     if not lighthouse_address(ft):
         raise ConfigError(
             f"fault_tolerance.lighthouse is empty and {LIGHTHOUSE_ENV} is not set; pass --fault_tolerance.lighthouse "
@@ -183,8 +189,10 @@ class ReplicaGroup(NoReplicas):
         self.state, self.logger = state, logger
         self.manager.register_state_dict_fn("meshloom", self._load, state.state_dict)
         # A group that resumed from a disk checkpoint is as far as that checkpoint; the quorum's most advanced group
-        # is the source of any recovery.
-        self.manager.load_state_dict({"step": state.progress.step, "batches_committed": state.progress.step})
+        # is the source of any recovery. (The Manager counts syncs: every step, or every sync_every steps.)
+        syncs = state.progress.step // (self.settings.sync_every if self.settings.semi_sync else 1)
+        self.manager.load_state_dict({"step": syncs, "batches_committed": syncs})
+        self.semi_sync = start_semi_sync(self.settings, self.manager, state.model_parts, state.optimizer)
 
     def _load(self, received: dict[str, Any]) -> None:
         before = self.state.progress.step
@@ -199,6 +207,10 @@ class ReplicaGroup(NoReplicas):
 
     def start_step(self, step: int) -> None:
         """Join this step's quorum; a group that is behind is brought up to date here, before data is read."""
+        if self.settings.semi_sync:  # quorums happen at the syncs, inside torchft's optimizer hooks
+            if self.manager.num_participants() != self.live:
+                self._quorum_event(self.manager.num_participants())
+            return
         fresh = step == 0 and restart_attempt() == 0
         deadline = time.monotonic() + (self.settings.start_wait_seconds if fresh else 0.0)
         while True:
@@ -207,17 +219,21 @@ class ReplicaGroup(NoReplicas):
             if not _all_ranks_agree(live < self.group_size and time.monotonic() < deadline):
                 break
             time.sleep(0.2)
-        step = self.state.progress.step  # after a recovery, the step the group was brought to
         if live != self.live:
-            event = {"event": "quorum", "replicas": live, "previous": self.live}
-            if live < self.group_size:
-                event["samples_skipped_per_step"] = (self.group_size - live) * self.samples_per_group_step
-            self._event(step, event)
-            self.live = live
+            self._quorum_event(live)
         self._data_before = self.state.data_loader.state_dict()
+
+    def _quorum_event(self, live: int) -> None:
+        event = {"event": "quorum", "replicas": live, "previous": self.live}
+        if live < self.group_size and not self.settings.semi_sync:
+            event["samples_skipped_per_step"] = (self.group_size - live) * self.samples_per_group_step
+        self._event(self.state.progress.step, event)  # after a recovery, the step the group was brought to
+        self.live = live
 
     def average(self, model_parts: list[nn.Module], loss_parts: torch.Tensor) -> torch.Tensor:
         """Average the gradients and the step's loss over the groups in the quorum (in place); returns the loss."""
+        if self.settings.semi_sync:
+            return loss_parts  # each group steps on its own gradients between syncs
         tensors = [local_value(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None]
         tensors.append(loss_parts)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -235,6 +251,8 @@ class ReplicaGroup(NoReplicas):
 
     def should_commit(self) -> bool:
         """Whether every group in the quorum finished this step; if not, the loader goes back to re-run it."""
+        if self.settings.semi_sync:
+            return True  # torchft decides at each sync, and rolls the weights back to the last one on a failure
         if self.manager.should_commit():
             self.samples_skipped += (self.group_size - self.live) * self.samples_per_group_step
             return True
@@ -248,7 +266,9 @@ class ReplicaGroup(NoReplicas):
         if interval <= 0 or step % interval:
             return
         check_within_group(model_parts)
-        if self.live > 1:
+        # Semi-synchronous groups hold equal weights only right after a sync.
+        synced = not self.settings.semi_sync or step % self.settings.sync_every == 0
+        if self.live > 1 and synced:
             from torch.distributed.distributed_c10d import AllgatherOptions
 
             def all_gather(out: list[torch.Tensor], tensor: torch.Tensor) -> None:
@@ -258,7 +278,7 @@ class ReplicaGroup(NoReplicas):
                 check_across_groups(model_parts, all_gather, self.live, self.replica_id, rank())
             except SilentCorruptionError:
                 raise
-            except Exception as err:  # a group failed during the check: the next quorum leaves it out
+            except (RuntimeError, TimeoutError) as err:  # a group failed during the check: the next quorum leaves it out
                 self._event(step, {"event": "replica_check_skipped", "reason": str(err).splitlines()[0][:200]})
 
     def metrics(self) -> dict[str, float]:
