@@ -82,11 +82,6 @@ def check_fault_tolerance(config: Config, dp_replicate: int, pp: int = 1) -> Non
             "only; choose training.nonfinite = 'halt' or 'skip_step'"
         )
     check_semi_sync(ft, pp)
-    if not lighthouse_address(ft):
-        raise ConfigError(
-            f"fault_tolerance.lighthouse is empty and {LIGHTHOUSE_ENV} is not set; pass --fault_tolerance.lighthouse "
-            "http://HOST:29510 (start one with `meshloom lighthouse`)"
-        )
 
 
 def replica_run_dir(config: Config) -> str:
@@ -156,7 +151,12 @@ class ReplicaGroup(NoReplicas):
         ft = config.fault_tolerance
         self.settings, self.group_size, self.replica_id = ft, ft.group_size, ft.replica_id
         self.samples_per_group_step = samples_per_group_step
-        address = lighthouse_address(ft)
+        # Checked here, not in RunPlan: eval and generate read a fault-tolerant run's settings without a Lighthouse.
+        if not (address := lighthouse_address(ft)):
+            raise ConfigError(
+                f"fault_tolerance.lighthouse is empty and {LIGHTHOUSE_ENV} is not set; pass --fault_tolerance.lighthouse "
+                "http://HOST:29510 (start one with `meshloom lighthouse`)"
+            )
         problem = _reach_lighthouse(address, ft.connect_timeout_seconds) if rank() == 0 else None
         if (problem := share_error(problem)) is not None:
             raise UserError(problem)
