@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("meshloom.cli.generate:main", "continue prompts with a run, checkpoint or Hugging Face model (KV cache)"),
     "eval": ("meshloom.cli.evaluate:main", "loss, perplexity and bits per byte on held-out text (any training layout)"),
     "lm-eval": ("meshloom.integrations.lm_eval_tasks:main", "run lm-evaluation-harness with --model meshloom (needs meshloom[eval])"),
+    "lighthouse": (
+        "meshloom.cli.lighthouse:main",
+        "run torchft's Lighthouse: the quorum of a fault-tolerant job's replica groups (needs meshloom[ft])",
+    ),
     "analyze-hang": (
         "meshloom.cli.analyze_hang:main",
         "read a failed run's Flight Recorder dumps: the diverged collective and the missing rank",

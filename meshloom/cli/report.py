@@ -72,11 +72,18 @@ def load_events(run_dir: Path) -> list[dict]:
     return [record for _, record in _records(Path(run_dir) / METRICS_FILE) if "event" in record]
 
 
+def event_label(event: dict) -> str:
+    """The mark's text: the event, and for a quorum change of replica groups the group counts ("quorum 2->1")."""
+    if event["event"] == "quorum" and "replicas" in event:
+        return f"quorum {event.get('previous', '?')}->{event['replicas']}"
+    return str(event["event"])
+
+
 def describe_event(event: dict) -> str:
-    """One line for a resume or restart row, e.g. "step 5: resume from .../step-5 (attempt 1)"."""
+    """One line for an event row, e.g. "step 5: resume from .../step-5 (attempt 1)" or "step 6: quorum 2->1"."""
     where = f" from {event['checkpoint']}" if event.get("checkpoint") else ""
     attempt = f" (attempt {event['attempt']})" if event.get("attempt") else ""
-    return f"step {event['step']}: {event['event']}{where}{attempt}"
+    return f"step {event['step']}: {event_label(event)}{where}{attempt}"
 
 
 def load_mixture(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
@@ -129,10 +136,11 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
         (line,) = ax.plot(steps, losses, label=label, linewidth=1.2)
         if val_steps:
             ax.plot(val_steps, val_losses, "--o", color=line.get_color(), markersize=3, label=f"{label} (val)")
-        # Where the run continued after a stop: the steps around it may have been trained twice.
+        # Where the run continued after a stop (the steps around it may have been trained twice), or where the
+        # quorum of replica groups changed.
         for event in events:
             ax.axvline(event["step"], color=line.get_color(), linestyle=":", linewidth=1)
-            ax.annotate(event["event"], (event["step"], 1), xycoords=("data", "axes fraction"), rotation=90,
+            ax.annotate(event_label(event), (event["step"], 1), xycoords=("data", "axes fraction"), rotation=90,
                         va="top", ha="right", fontsize=7, color=line.get_color())  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

@@ -14,6 +14,7 @@ from meshloom.config.schema import Config
 from meshloom.observe import flight_recorder
 from meshloom.parallel.distributed import rank, shutdown_and_exit
 from meshloom.train.nonfinite import NonFiniteError
+from meshloom.train.replica_check import SilentCorruptionError
 
 
 def interrupted_message(config: Config | None, step: int | None, argv: list[str]) -> str:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # user mistakes (ConfigError included) name the setting and the fix; bugs keep their trace
         print(f"meshloom: error: {err}", file=sys.stderr)
         code = 2
-    except NonFiniteError as err:
+    except (NonFiniteError, SilentCorruptionError) as err:  # the run's numbers went wrong: one line, no trace
         print(f"meshloom: {err}", file=sys.stderr)
         code = 1
     except Exception as err:  # a crash, e.g. a collective timeout: leave this rank's trace for `meshloom analyze-hang`

@@ -157,6 +157,13 @@ class FaultInjectionConfig:
     slow_seconds: float = 0.0
     """`rank` spins the CPU this long in every step: a straggler."""
 
+    flip_bit_at_step: int = 0
+    """Right after this step's update, flip the lowest bit of the first element of flip_bit_parameter's local tensor
+    on `rank` (0 = never): silent data corruption for fault_tolerance.replica_check_interval to find."""
+
+    flip_bit_parameter: str = ""
+    """The parameter flip_bit_at_step corrupts, by its name in model.named_parameters(); empty = the first one."""
+
     nan_sample_id: int = -1
     """A step whose batch holds this dataset sample id gets a NaN gradient in nan_parameter, in every attempt:
     a bad batch (-1 = never)."""

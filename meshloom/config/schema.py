@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshloom.config.fault_tolerance import FaultToleranceConfig
 from meshloom.config.operations import (
     CheckpointConfig,
     CommConfig,
@@ -387,3 +388,4 @@ class Config:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

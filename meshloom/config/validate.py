@@ -76,6 +76,31 @@ def validate(config: Config) -> None:
         _require(getattr(moe, name) >= 0, f"moe.{name} must be >= 0 (0 = off), got {getattr(moe, name)}")
     if par.cp > 1:
         _check_context_parallel(config)
+    if config.fault_tolerance.enable:
+        _check_fault_tolerance(config)
+
+
+def _check_fault_tolerance(config: Config) -> None:
+    ft = config.fault_tolerance
+    _require(ft.group_size >= 1, f"fault_tolerance.group_size must be >= 1, got {ft.group_size}")
+    _require(
+        0 <= ft.replica_id < ft.group_size,
+        f"fault_tolerance.replica_id must lie in [0, group_size={ft.group_size}), got {ft.replica_id}",
+    )
+    _require(
+        1 <= ft.min_replicas <= ft.group_size,
+        f"fault_tolerance.min_replicas must lie in [1, group_size={ft.group_size}], got {ft.min_replicas}",
+    )
+    for name in ("timeout_seconds", "quorum_timeout_seconds", "connect_timeout_seconds"):
+        _require(getattr(ft, name) > 0, f"fault_tolerance.{name} must be positive, got {getattr(ft, name)}")
+    _require(ft.sync_every >= 1, f"fault_tolerance.sync_every must be >= 1, got {ft.sync_every}")
+    _require(ft.outer_lr > 0, f"fault_tolerance.outer_lr must be positive, got {ft.outer_lr}")
+    _require(0 <= ft.outer_momentum < 1, f"fault_tolerance.outer_momentum must lie in [0, 1), got {ft.outer_momentum}")
+    _require(ft.start_wait_seconds >= 0, f"fault_tolerance.start_wait_seconds must be >= 0, got {ft.start_wait_seconds}")
+    _require(
+        ft.replica_check_interval >= 0,
+        f"fault_tolerance.replica_check_interval must be >= 0 (0 = never), got {ft.replica_check_interval}",
+    )
 
 
 def _check_context_parallel(config: Config) -> None:

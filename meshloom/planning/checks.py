@@ -58,7 +58,7 @@ def grad_accum_steps(config: Config, dp: int) -> int:
     global_batch = per_microbatch if tc.global_batch_size == -1 else tc.global_batch_size
     if global_batch % per_microbatch:
         raise ConfigError(
-            f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x data-parallel "
-            f"degree = {tc.local_batch_size} x {dp}; change one of them"
+            f"training.global_batch_size={global_batch} is not a multiple of local_batch_size x data-parallel degree "
+            f"(x replica groups) = {tc.local_batch_size} x {dp}; change one of them"
         )
     return global_batch // per_microbatch

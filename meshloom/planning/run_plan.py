@@ -29,6 +29,7 @@ from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline
 from meshloom.observe.profiler import check_profiling_config
 from meshloom.planning.checks import check_context_parallel, check_generic_layout, check_moe_settings, grad_accum_steps
 from meshloom.train.qk_clip import check_qk_clip_config
+from meshloom.train.replicas import check_fault_tolerance, replica_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -66,7 +67,9 @@ class RunPlan:
         check_moe_settings(shape, config, dims)
         spec.check_layout(args, config, dims)
         pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
-        accumulation = grad_accum_steps(config, dims.dp)
+        check_fault_tolerance(config, dims.dp_replicate, dims.pp)
+        # Replica groups (fault_tolerance) share each global batch like data-parallel ranks.
+        accumulation = grad_accum_steps(config, dims.dp * replica_groups(config))
         check_activation_checkpoint_config(config.activation_checkpoint, config.compile.enable)
         check_profiling_config(config.profiling)
         check_qk_clip_config(config, spec, dims)

@@ -69,6 +69,25 @@ class FaultInjector:
             time.sleep(self.config.sleep_seconds)
 
     @torch.no_grad()
+    def flip_bit(self, step: int, model_parts: list[nn.Module]) -> None:
+        """After the update of flip_bit_at_step: one flipped bit in one parameter on one rank."""
+        if step != self.config.flip_bit_at_step or not self._targets_me():
+            return
+        wanted = self.config.flip_bit_parameter
+        for part in model_parts:
+            for name, param in part.named_parameters():
+                if not wanted or plain_name(name) == wanted:
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    words = local.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()])
+                    words[0] ^= 1
+                    print(f"fault injection: rank {rank()} flips a bit of {plain_name(name)} after step {step}", file=sys.stderr, flush=True)
+                    return
+        raise UserError(
+            f"fault_injection.flip_bit_parameter {wanted!r} is not a parameter on rank {rank()}; name one from "
+            "model.named_parameters(), or leave it empty for the first parameter"
+        )
+
+    @torch.no_grad()
     def after_backward(self, model: nn.Module, sample_ids: list[int]) -> None:
         """Gradients are ready: a batch holding nan_sample_id poisons nan_parameter's gradient with NaN."""
         if self.config.nan_sample_id < 0 or self.config.nan_sample_id not in sample_ids:

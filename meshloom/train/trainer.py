@@ -50,6 +50,8 @@ from meshloom.train.nonfinite import NonFinitePolicy, is_finite
 from meshloom.train.optim import OptimizerGroup, build_optimizer
 from meshloom.train.pipeline_step import PipelineRunner, build_pipeline
 from meshloom.train.qk_clip import QKClip
+from meshloom.train.replica_state import ReplicaState
+from meshloom.train.replicas import join_replica_groups, replica_run_dir
 from meshloom.train.run_folder import check_run_folder, continuation_event, write_run_config
 from meshloom.train.runtime import seed_everything, select_device
 
@@ -62,13 +64,14 @@ class StepResult:
     skipped: bool
     sample_ids: list[int]
     rolled_back_from: int | None = None  # nonfinite = rollback: the failed step; training continues from the reloaded one
+    retried: bool = False  # fault tolerance: a replica group failed during the step, which runs again
     aux: dict[str, float] = field(default_factory=dict)  # the model's own auxiliary losses (ModelSpec.aux_losses), unweighted
 
 
 class Trainer:
     def __init__(self, config: Config):
         # Cheap checks first: nothing heavy is built until the whole setup is known to be valid.
-        self.config, self.run_dir = config, Path(config.job.dump_folder)
+        self.config, self.run_dir = config, Path(replica_run_dir(config))
         self.device = select_device(config.training.device)
         self.plan = RunPlan.build(config, world_size_from_env(), self.device)
         self.model_args, self.dims, self.grad_accum_steps = self.plan.model_args, self.plan.dims, self.plan.grad_accum_steps
@@ -95,6 +98,7 @@ class Trainer:
         ))  # fmt: skip
         self.checkpointer.load()  # resume, or an initial load of weights
         self._build_observers()
+        self.replicas.bind(ReplicaState(self.checkpointer.parts), self.logger)
         self.sampler = build_prompt_sampler(self.plan, self.sample_prompts, self.data.tokenizer, self.model_parts, self.device, self.logger)
         self.hf_exporter = HFExporter(self.plan, self.run_dir, self.model_parts, self.data.tokenizer)
 
@@ -116,15 +120,20 @@ class Trainer:
         if self.dims.is_distributed:
             self.dims.build_mesh(self.device.type)
             self.dp_rank = self.dims.mesh("dp").get_local_rank()
+        samples_per_step = self.config.training.local_batch_size * self.plan.dp * self.grad_accum_steps
+        self.replicas = join_replica_groups(self.config, self.device, samples_per_step)  # fault_tolerance: early heartbeat
         # Context parallel: every rank of a cp group reads the same samples and keeps its shard of each sequence.
         self.shard_batch = batch_sharder(self.dims, context_layout(self.dims, self.config.parallelism))
 
     def _build_data(self) -> DataBundle:
         """Rank 0 fills the tokenizer and token caches first, so the other ranks only read them."""
         tc = self.config.training
+        # Replica groups read consecutive slices of each global batch, like one larger data-parallel group.
+        groups = self.replicas.group_size
+        self.data_rank = self.replicas.replica_id * self.plan.dp + self.dp_rank
         build = lambda: build_data(
-            self.config.data, tc.seq_len, tc.local_batch_size, self.dp_rank, self.plan.dp, tc.seed, self.config.validation.enable,
-            samples_per_step=self.tokens_per_step // tc.seq_len,
+            self.config.data, tc.seq_len, tc.local_batch_size, self.data_rank, self.plan.dp * groups, tc.seed, self.config.validation.enable,
+            samples_per_step=self.tokens_per_step * groups // tc.seq_len,
         )
         if rank() == 0:
             try:
@@ -217,6 +226,7 @@ class Trainer:
         self.model.train()
         parts = torch.zeros(len(self.loss_fn.names), device=self.device)  # next-token loss, then auxiliary losses
         sample_ids: list[int] = []
+        self.replicas.start_step(self.step)
         self.nonfinite.skip_offending_batch(self.step + 1, self.data.train, self.grad_accum_steps)
         for micro in range(self.grad_accum_steps):
             batch = self.shard_batch(self.data.train.next_batch())
@@ -241,12 +251,17 @@ class Trainer:
         pp_mesh = self.dims.mesh("pp") if self.pipeline is not None else None
         if self.pipeline is not None:
             self.pipeline.finish_backward()
+        parts = self.replicas.average(self.model_parts, parts)
         norm_params = self.pipeline.norm_parameters() if self.pipeline is not None else self.model.parameters()
         grad_norm_tensor = global_grad_norm(norm_params, pp_mesh)
         grad_norm = float(grad_norm_tensor)
         loss_value, *aux_values = parts.tolist()
         aux = dict(zip(self.loss_fn.names[1:], aux_values))
         lr = self.lr_scheduler.get_last_lr()[0]
+        if not self.replicas.should_commit():
+            self.moe.after_step(updated=False)
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss_value, grad_norm, lr, True, sample_ids, aux=aux, retried=True)
         self.progress.step += 1
 
         skipped, failed_step = False, None
@@ -305,6 +320,8 @@ class Trainer:
             self.step_times.start()
             result = self.train_step()
             self.step_times.stop()
+            if result.retried:
+                continue
             self.profiler.step(self.step)
             if result.rolled_back_from is not None:  # the steps after the reloaded checkpoint are trained again
                 self.logger.log(result.rolled_back_from, {"loss": result.loss, "grad_norm": result.grad_norm, "rolled_back_to": self.step})
@@ -331,6 +348,7 @@ class Trainer:
                     **self.qk_clip.metrics(),
                     **self.data.metrics(),
                     **self.shard_batch.metrics(),
+                    **self.replicas.metrics(),
                 )
                 if result.skipped:
                     metrics["skipped_step"] = 1.0
@@ -342,8 +360,11 @@ class Trainer:
                 self.sampler.sample(self.step)
             self.checkpointer.maybe_save()
             self.hf_exporter.maybe_export(self.step)
+            self.faults.flip_bit(self.step, self.model_parts)
+            self.replicas.check(self.step, self.model_parts)
             self.faults.after_step(self.step)
         self.profiler.stop()
+        self.replicas.shutdown()
         self.hf_exporter.close()
         self.logger.close()
         return losses

@@ -1,0 +1,49 @@
+"""Semi-synchronous replica groups (`fault_tolerance.semi_sync`): torchft's DiLoCo and LocalSGD.
+
+Each group trains on its own gradients for `sync_every` steps; then the groups meet in a quorum and
+- local_sgd: average their weights;
+- diloco: average their pseudo-gradients (the weights at the last sync minus the current ones), which an outer
+  SGD optimizer (fault_tolerance.outer_lr, outer_momentum, outer_nesterov) applies to the weights of the last sync.
+
+torchft runs the sync from hooks on the inner optimizer's step; a group that restarts receives the state at the
+next sync, and a sync that a group failed in is dropped (the weights go back to the last sync).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshloom.config.errors import ConfigError
+from meshloom.config.fault_tolerance import FaultToleranceConfig
+
+
+def check_semi_sync(settings: FaultToleranceConfig, pp: int) -> None:
+    if not settings.semi_sync:
+        return
+    if pp > 1:
+        raise ConfigError(
+            f"fault_tolerance.semi_sync = {settings.semi_sync!r} syncs one model per group, not pipeline stages; set "
+            "parallelism.pp = 1 or fault_tolerance.semi_sync = ''"
+        )
+
+
+def start_semi_sync(
+    settings: FaultToleranceConfig, manager: Any, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer
+) -> Any:
+    """torchft's DiLoCo or LocalSGD around `optimizer`, entered (its hooks are on); None when semi_sync is off."""
+    if not settings.semi_sync:
+        return None
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    (model,) = model_parts
+    if settings.semi_sync == "local_sgd":
+        wrapper = LocalSGD(manager, model, optimizer, settings.sync_every)
+    else:
+        outer = torch.optim.SGD(
+            model.parameters(), lr=settings.outer_lr, momentum=settings.outer_momentum, nesterov=settings.outer_nesterov
+        )
+        wrapper = DiLoCo(manager, [model], optimizer, outer, settings.sync_every)
+    return wrapper.__enter__()

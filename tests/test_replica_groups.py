@@ -1,0 +1,280 @@
+"""Replica groups through torchft (`[fault_tolerance]`), in real launches: a Lighthouse (`meshloom lighthouse`) and
+2 replica groups x FSDP 2, each group its own torchrun job on gloo, deterministic fp32 `tiny` model, 10 steps.
+
+- no failure: the losses equal an HSDP 2 x 2 run's (one 4-rank torchrun) within 1e-5;
+- a SIGKILL from outside to rank 1 of group 1 during step 6 (it is held in a sleep there so the kill lands in that
+  step): group 0 goes on alone without restarting; group 1's torchrun restarts it, it receives the live state from
+  group 0 and rejoins (group 0 sleeps at step 8 long enough for the restart), and both groups end with the same
+  weights bit for bit. metrics.jsonl shows the replica count 2 -> 1 -> 2;
+- bad input: torchft missing, a Lighthouse that does not answer, a layout the groups cannot manage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshloom.checkpoint import folders
+from meshloom.config.errors import ConfigError
+from meshloom.config.loader import load_config
+from meshloom.planning.run_plan import RunPlan
+from meshloom.testing.layout_parity import base_overrides
+
+pytest.importorskip("torchft", reason='replica groups need torchft: pip install -e ".[ft]"')
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 10
+# 8 sequences per step: 2 groups x FSDP 2 x 2 sequences, or HSDP 2 x 2 ranks x 2 sequences.
+COMMON = ["--training.deterministic", "true", "--metrics.log_freq", "1", "--training.local_batch_size", "2"]
+FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.timeout_seconds", "15", "--fault_tolerance.start_wait_seconds", "60"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(
+    nproc: int, args: list[str], workdir: Path, log: Path, restarts: int = 0, steps: int = STEPS, **env: str
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        "--max-restarts", str(restarts), "-m", "meshloom.train", *base_overrides(steps, workdir), *COMMON, *args,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, env=_env(**env), stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+
+
+class Lighthouse:
+    def __init__(self, workdir: Path):
+        cmd = [sys.executable, "-m", "meshloom", "lighthouse", "--port", "0", "--join-timeout-ms", "5000", "--heartbeat-timeout-ms", "2000"]
+        self.proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=(workdir / "lighthouse.log").open("w"), text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("lighthouse: serving at "), line
+        self.address = line.split()[3]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=30) == 0
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(rows: list[dict]) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def _group_rank_pid(marker: str, rank: int) -> int | None:
+    """The worker process of one group (its launcher's environment carries `marker`) with this RANK, first attempt."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(
+                item.split("=", 1) for item in (entry / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in item
+            )
+        except OSError:
+            continue
+        if env.get("MESHLOOM_TEST_GROUP") == marker and env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            return int(entry.name)
+    return None
+
+
+def _run_groups(
+    workdir: Path,
+    run_dir: Path,
+    group_args: list[list[str]],
+    kill_after_step: int | None = None,
+    expect_ok: bool = True,
+    steps: int = STEPS,
+) -> list[str]:
+    """Both groups and a Lighthouse; with kill_after_step, SIGKILL rank 1 of group 1 once that step is logged."""
+    lighthouse = Lighthouse(workdir)
+    procs = []
+    for group, extra in enumerate(group_args):
+        args = [*FT, "--fault_tolerance.lighthouse", lighthouse.address, "--fault_tolerance.replica_id", str(group)]
+        args += ["--parallelism.dp_shard", "2", "--job.dump_folder", str(run_dir), *extra]
+        log = workdir / f"{run_dir.name}.group{group}.log"
+        restarts = 1 if kill_after_step is not None else 0
+        marker = f"{run_dir.name}-{group}"
+        procs.append(_torchrun(2, args, workdir, log, restarts=restarts, steps=steps, MESHLOOM_TEST_GROUP=marker))
+    try:
+        if kill_after_step is not None:
+            deadline = time.monotonic() + 300
+            while kill_after_step not in _losses(_rows(run_dir / "replica_1")):
+                assert time.monotonic() < deadline and procs[1].poll() is None, "group 1 never reached the step"
+                time.sleep(0.2)
+            pid = _group_rank_pid(f"{run_dir.name}-1", 1)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+        codes = [proc.wait(timeout=400) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        lighthouse.stop()
+    logs = [(workdir / f"{run_dir.name}.group{g}.log").read_text() for g in range(len(group_args))]
+    for code, log in zip(codes, logs):
+        assert (code == 0) == expect_ok, log[-6000:]
+    return logs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict:
+    w = tmp_path_factory.mktemp("replicas")
+    (w / "cache").symlink_to(data_cache)
+    hsdp = w / "hsdp"
+    ref = _torchrun(4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--job.dump_folder", str(hsdp)], w, w / "hsdp.log")
+    assert ref.wait(timeout=400) == 0, (w / "hsdp.log").read_text()[-6000:]
+    calm = w / "calm"
+    # No failure through step 10; then, after the last update, one bit of one parameter flips on rank 1 of group 1,
+    # and the check of step 10 stops both groups (checks run every 5 steps).
+    check = ["--fault_tolerance.replica_check_interval", "5"]
+    flip = ["--fault_injection.rank", "1", "--fault_injection.flip_bit_at_step", str(STEPS)]
+    flip += ["--fault_injection.flip_bit_parameter", "layers.1.attention_norm.weight"]
+    calm_logs = _run_groups(w, calm, [check, check + flip], expect_ok=False)
+    killed = w / "killed"
+    save = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS)]
+    hold = ["--fault_injection.rank", "1", "--fault_injection.sleep_at_step", "6", "--fault_injection.sleep_seconds", "120"]
+    # Group 0 pauses in step 8 long enough for group 1 to restart and ask to join.
+    wait = ["--fault_injection.rank", "0", "--fault_injection.sleep_at_step", "8", "--fault_injection.sleep_seconds", "25"]
+    logs = _run_groups(w, killed, [save + wait, save + hold], kill_after_step=5)
+    return {"hsdp": hsdp, "calm": calm, "calm_logs": calm_logs, "killed": killed, "killed_logs": logs}
+
+
+def test_two_groups_without_failures_match_hsdp(runs) -> None:
+    reference = _losses(_rows(runs["hsdp"]))
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    for group in (0, 1):
+        rows = _rows(runs["calm"] / f"replica_{group}")
+        losses = _losses(rows)
+        assert sorted(losses) == sorted(reference)
+        for step, loss in reference.items():
+            assert abs(losses[step] - loss) <= 1e-5, (group, step, losses[step], loss)
+        assert [row["replicas"] for row in rows if "loss" in row] == [2.0] * STEPS
+        assert not any(row.get("event") in ("step_retried", "replica_recovered", "restart") for row in rows)
+
+
+def test_a_flipped_bit_is_found_by_the_next_check_naming_ranks_and_parameter(runs) -> None:
+    for log in runs["calm_logs"]:
+        assert "replica_check_skipped" not in log
+        # Two copies cannot outvote each other, so both are named; group 0 rank 0 and group 1 rank 0 agree.
+        line = (
+            "meshloom: silent data corruption: parameter layers.1.attention_norm.weight differs between replica groups "
+            "(replica group 0 rank 1, replica group 1 rank 1), where its copies must be equal"
+        )
+        assert line in log, log[-4000:]
+    assert "fault injection: rank 1 flips a bit of layers.1.attention_norm.weight after step 10" in runs["calm_logs"][1]
+
+
+def _replica_counts(rows: list[dict]) -> list[float]:
+    counts = [row["replicas"] for row in rows if "loss" in row]
+    return [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]]
+
+
+def test_killed_group_rejoins_from_the_live_group_and_ends_bitwise_equal(runs) -> None:
+    group0, group1 = runs["killed"] / "replica_0", runs["killed"] / "replica_1"
+    rows0, rows1 = _rows(group0), _rows(group1)
+    # Group 0 completed every step once, never restarted or reloaded, and saw the quorum go 2 -> 1 -> 2.
+    assert sorted(_losses(rows0)) == list(range(1, STEPS + 1))
+    assert {row["event"] for row in rows0 if "event" in row} <= {"quorum", "step_retried"}
+    assert "restart:" not in runs["killed_logs"][0] and "attempt 1" not in runs["killed_logs"][0]
+    assert _replica_counts(rows0) == [2.0, 1.0, 2.0]
+    alone = [row for row in rows0 if "loss" in row and row["replicas"] == 1.0]
+    assert alone and alone[-1]["samples_skipped"] == 4 * len(alone)  # group 1's 4 sequences of each such step
+    # Group 1: steps 1-5, the restart, then recovery from group 0 (not from disk) and the last steps with it.
+    recovered = [row for row in rows1 if row.get("event") == "replica_recovered"]
+    assert len(recovered) == 1 and recovered[0]["from_step"] == 0
+    rejoined = recovered[0]["step"]
+    assert 6 <= rejoined < STEPS
+    losses0, losses1 = _losses(rows0), _losses(rows1)
+    assert all(losses1[s] == losses0[s] for s in range(rejoined + 1, STEPS + 1))
+    assert {s for s in losses1 if s > 5} == set(range(rejoined + 1, STEPS + 1))
+    # The final weights and optimizer state of both groups, saved by each to its own folder, are equal bit for bit.
+    saved = []
+    for group in (group0, group1):
+        (latest,) = [c for c in folders.list_checkpoints(group / "checkpoint")[0] if c.step == STEPS]
+        out = group / "full.pt"
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(latest.path, out)
+        saved.append(torch.load(out, weights_only=False))
+    tensors0 = {k: v for k, v in _flat(saved[0]).items() if isinstance(v, torch.Tensor)}
+    tensors1 = {k: v for k, v in _flat(saved[1]).items() if isinstance(v, torch.Tensor)}
+    assert tensors0.keys() == tensors1.keys() and any(k.startswith("model.") for k in tensors0)
+    for key, value in tensors0.items():
+        if key.startswith(("model.", "optimizer.")):
+            assert torch.equal(value, tensors1[key]), key
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _train_one_process(args: list[str], tmp_path: Path, prelude: str = "") -> subprocess.CompletedProcess:
+    code = f"import sys; {prelude}from meshloom.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, "train", *base_overrides(2, tmp_path), "--job.dump_folder", str(tmp_path / "run"), *args]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_bad_input_is_one_line(tmp_path: Path, data_cache: Path) -> None:
+    (tmp_path / "cache").symlink_to(data_cache)
+    missing = _train_one_process(
+        [*FT, "--fault_tolerance.lighthouse", "http://localhost:1"], tmp_path, prelude="sys.modules['torchft'] = None; "
+    )
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert 'meshloom: error: fault_tolerance.enable needs torchft' in missing.stderr and '".[ft]"' in missing.stderr
+    start = time.monotonic()
+    unreachable = _train_one_process(
+        [*FT, "--fault_tolerance.lighthouse", "http://localhost:1", "--fault_tolerance.connect_timeout_seconds", "2"], tmp_path
+    )
+    assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr, unreachable.stderr[-3000:]
+    assert "meshloom: error: cannot reach the Lighthouse at http://localhost:1 within" in unreachable.stderr
+    assert time.monotonic() - start < 60
+
+    def plan(*args: str, world: int = 4) -> None:
+        RunPlan.build(load_config([*base_overrides(2, tmp_path), *FT, "--fault_tolerance.lighthouse", "http://h:1", *args]), world)
+
+    with pytest.raises(ConfigError, match=r"parallelism.dp_replicate must be 1 inside a group \(got 2\)"):
+        plan("--parallelism.dp_replicate", "2")
+    with pytest.raises(ConfigError, match=r"training.nonfinite = 'rollback'"):
+        plan("--training.nonfinite", "rollback", "--checkpoint.enable", "true")
+    with pytest.raises(ConfigError, match=r"fault_tolerance.replica_id must lie in \[0, group_size=2\), got 2"):
+        plan("--fault_tolerance.replica_id", "2")
+    with pytest.raises(ConfigError, match=r"is not a multiple of local_batch_size x data-parallel degree \(x replica groups\)"):
+        plan("--training.global_batch_size", "6", "--training.local_batch_size", "2", world=2)
+
+
+def test_diloco_two_groups_train_about_as_well_as_hsdp(tmp_path: Path, data_cache: Path) -> None:
+    """Semi-sync: each group takes 5 inner steps alone, then torchft's DiLoCo averages the pseudo-gradients; after 30
+    steps the loss is within 10% of an HSDP 2 x 2 run's."""
+    (tmp_path / "cache").symlink_to(data_cache)
+    hsdp = tmp_path / "hsdp"
+    args = ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--job.dump_folder", str(hsdp)]
+    assert _torchrun(4, args, tmp_path, tmp_path / "hsdp.log", steps=30).wait(timeout=400) == 0, (tmp_path / "hsdp.log").read_text()[-6000:]
+    diloco = tmp_path / "diloco"
+    semi = ["--fault_tolerance.semi_sync", "diloco", "--fault_tolerance.sync_every", "5"]
+    _run_groups(tmp_path, diloco, [semi, semi], steps=30)
+    reference = _losses(_rows(hsdp))[30]
+    for group in (0, 1):
+        rows = _rows(diloco / f"replica_{group}")
+        assert sorted(_losses(rows)) == list(range(1, 31))
+        assert abs(_losses(rows)[30] - reference) <= 0.1 * reference, (_losses(rows)[30], reference)
+        assert [row["replicas"] for row in rows if "loss" in row][-1] == 2.0
