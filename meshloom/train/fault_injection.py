@@ -20,6 +20,7 @@ from torch import nn
 from meshloom.config.errors import UserError
 from meshloom.config.schema import FaultInjectionConfig
 from meshloom.parallel.distributed import rank, restart_attempt
+from meshloom.tensors import local_tensor
 
 # Wrappers that activation checkpointing and torch.compile put into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -77,7 +78,7 @@ class FaultInjector:
         for part in model_parts:
             for name, param in part.named_parameters():
                 if not wanted or plain_name(name) == wanted:
-                    local = param.to_local() if hasattr(param, "to_local") else param
+                    local = local_tensor(param)
                     words = local.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()])
                     words[0] ^= 1
                     print(f"fault injection: rank {rank()} flips a bit of {plain_name(name)} after step {step}", file=sys.stderr, flush=True)

@@ -27,7 +27,8 @@ from torch.optim.adamw import adamw
 
 from meshloom.config.errors import UserError
 from meshloom.train.ns_dtype import NS_DTYPES
-from meshloom.train.orthogonalize import Bucket, build_buckets, local_tensor
+from meshloom.tensors import local_tensor
+from meshloom.train.orthogonalize import Bucket, build_buckets
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 ADJUST_LR_MODES = ("match_rms_adamw", "original")

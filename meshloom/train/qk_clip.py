@@ -26,7 +26,7 @@ from meshloom.config.schema import Config
 from meshloom.models.common.qk_clip import ClipTarget, scale_rows_
 from meshloom.models.spec import ModelSpec
 from meshloom.parallel.dims import ParallelDims
-from meshloom.train.orthogonalize import local_tensor
+from meshloom.tensors import local_tensor
 
 
 def check_qk_clip_config(config: Config, spec: ModelSpec, dims: ParallelDims) -> None:

@@ -36,7 +36,7 @@ from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.fault_tolerance import FaultToleranceConfig
 from meshloom.config.schema import Config
 from meshloom.parallel.distributed import rank, restart_attempt, share_error
-from meshloom.parallel.tensor import local_value
+from meshloom.tensors import local_tensor
 from meshloom.train.replica_check import (
     SilentCorruptionError,
     check_across_groups,
@@ -234,7 +234,7 @@ class ReplicaGroup(NoReplicas):
         """Average the gradients and the step's loss over the groups in the quorum (in place); returns the loss."""
         if self.settings.semi_sync:
             return loss_parts  # each group steps on its own gradients between syncs
-        tensors = [local_value(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None]
+        tensors = [local_tensor(p.grad) for part in model_parts for p in part.parameters() if p.grad is not None]
         tensors.append(loss_parts)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
