@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 
 from meshloom.observe.metrics import local_tensor_bytes
-from meshloom.testing.layout_parity import Layout
+from meshloom.testing.layout_parity import ParityCase
 
 LAYOUTS = [
     "",  # one process
@@ -57,11 +57,11 @@ TARGETS = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.20}
 
 
 def overrides(spec: str) -> list[str]:
-    return Layout.parse(spec).setting_args()
+    return ParityCase.parse(spec).setting_args()
 
 
 def world_size(spec: str) -> int:
-    return Layout.parse(spec).world_size
+    return ParityCase.parse(spec).world_size
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from meshloom.config.loader import load_config
-from meshloom.testing.layout_parity import Layout, base_overrides, launch, run_steps
+from meshloom.testing.layout_parity import ParityCase, base_overrides, launch, run_steps
 from meshloom.train.trainer import Trainer
 from shard_fixtures import document, load_tokenizer, prepared, tokenizer_json, write_jsonl
 
@@ -82,7 +82,7 @@ def test_parallel_layouts_on_masked_shards_match_one_process(tmp_path, shards):
 
     suffix = ",".join(f"{k}={v}" for k, v in data.items())
     layouts = [f"dp_shard=2,{suffix}", f"tp=2,{suffix}"]
-    curves = launch([Layout.parse(spec) for spec in layouts], steps, tmp_path)
+    curves = launch([ParityCase.parse(spec) for spec in layouts], steps, tmp_path)
     for spec in layouts:
         diffs = [abs(a - b) for a, b in zip(reference.losses, curves[spec].losses, strict=True)]
         assert max(diffs) < 1e-5, (spec, diffs)

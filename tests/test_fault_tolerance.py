@@ -23,7 +23,7 @@ from meshloom.checkpoint import folders
 from meshloom.config.loader import ConfigError, load_config
 from meshloom.cli.analyze_hang import analyze, find_dump_folder
 from meshloom.cli.analyze_hang import main as analyze_main
-from meshloom.testing.layout_parity import Layout, base_overrides
+from meshloom.testing.layout_parity import ParityCase, base_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
@@ -34,7 +34,7 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env.pop("WORLD_SIZE", None)
-    parsed = Layout.parse(layout)
+    parsed = ParityCase.parse(layout)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(parsed.world_size),
         "--max-restarts", str(max_restarts), "-m", "meshloom.train",

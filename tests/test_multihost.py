@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshloom.config.loader import load_config
-from meshloom.testing.layout_parity import Layout, base_overrides
+from meshloom.testing.layout_parity import ParityCase, base_overrides
 from meshloom.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def hosts() -> Iterator[list[tuple[str, str, str]]]:
 def test_two_hosts_train_over_gloo_with_c10d_rendezvous(hosts, tmp_path: Path, data_cache: Path) -> None:
     (tmp_path / "cache").symlink_to(data_cache)
     run_dir = tmp_path / "run"
-    train = base_overrides(STEPS, tmp_path) + Layout.parse("dp_shard=2").overrides() + ["--metrics.log_freq", "1"]
+    train = base_overrides(STEPS, tmp_path) + ParityCase.parse("dp_shard=2").overrides() + ["--metrics.log_freq", "1"]
     head = hosts[0][2]
     procs = []
     for node, (ns, interface, address) in enumerate(hosts):

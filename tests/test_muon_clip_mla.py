@@ -21,7 +21,7 @@ from meshloom.models.common.qk_clip import MLAClipTarget, mla_clip_target
 from meshloom.models.common.rope import rope_tables
 from meshloom.testing.layout_parity import (
     FP32_TOLERANCE,
-    Layout,
+    ParityCase,
     base_overrides,
     launch,
     run_steps,
@@ -108,13 +108,13 @@ def mla_parity(tmp_path_factory, data_cache):
     workdir = tmp_path_factory.mktemp("mla_clip")
     (workdir / "cache").symlink_to(data_cache)
     os.environ.pop("WORLD_SIZE", None)
-    common = Layout.parse(COMMON).setting_args()
+    common = ParityCase.parse(COMMON).setting_args()
     references, layouts = {}, []
     for flavor, tau in TAUS.items():
         settings = f"model.flavor={flavor},optimizer.qk_clip_threshold={tau}"
-        references[flavor] = run_steps(base_overrides(STEPS, workdir) + common + Layout.parse(settings).setting_args()
+        references[flavor] = run_steps(base_overrides(STEPS, workdir) + common + ParityCase.parse(settings).setting_args()
                                        + ["--job.dump_folder", str(workdir / f"reference_{flavor}")])  # fmt: skip
-        layouts += [Layout.parse(f"{layout},{settings}") for layout in LAYOUTS]
+        layouts += [ParityCase.parse(f"{layout},{settings}") for layout in LAYOUTS]
     curves = launch(layouts, STEPS, workdir, common)
     assert {layout.world_size for layout in layouts} == {2}  # one launch
     return references, curves

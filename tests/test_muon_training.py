@@ -30,7 +30,7 @@ from meshloom.planning.dry_run import _build_rank0, dry_run
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.run_plan import RunPlan
-from meshloom.testing.layout_parity import FP32_TOLERANCE, Curve, Layout, base_overrides, launch as launch_layouts, run_steps
+from meshloom.testing.layout_parity import FP32_TOLERANCE, Curve, ParityCase, base_overrides, launch as launch_layouts, run_steps
 from meshloom.testing.resume_parity import Case, launch, run_case
 from meshloom.train.muon import MuonAdamW, optimizer_state_elements, parameter_kinds
 from meshloom.train.qk_clip import QKClip
@@ -61,7 +61,7 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 
 def _argv(workdir: Path, name: str, layout: str, tau: float) -> list[str]:
-    overrides = Layout.parse(layout).overrides() if layout else []
+    overrides = ParityCase.parse(layout).overrides() if layout else []
     return base_overrides(STEPS, workdir) + [
         "--optimizer.name", "Muon", "--optimizer.lr", str(CLIP_LR), "--optimizer.qk_clip_threshold", str(tau),
         "--job.dump_folder", str(workdir / name),
@@ -92,14 +92,14 @@ def parity(tmp_path_factory) -> tuple[Curve, Curve, dict[str, Curve]]:
     join the dense ones in the 2-rank launch)."""
     workdir = tmp_path_factory.mktemp("muon_parity")
     os.environ.pop("WORLD_SIZE", None)
-    common = Layout.parse(MUON).setting_args()
+    common = ParityCase.parse(MUON).setting_args()
 
     def one_process(name: str, settings: str) -> Curve:
-        return run_steps(base_overrides(STEPS, workdir) + Layout.parse(settings).setting_args()
+        return run_steps(base_overrides(STEPS, workdir) + ParityCase.parse(settings).setting_args()
                          + ["--job.dump_folder", str(workdir / name)])  # fmt: skip
 
     reference, moe_reference = one_process("reference", MUON), one_process("moe_reference", f"{MUON},{MOE}")
-    curves = launch_layouts([Layout.parse(s) for s in MUON_LAYOUTS + MOE_LAYOUTS], STEPS, workdir, common)
+    curves = launch_layouts([ParityCase.parse(s) for s in MUON_LAYOUTS + MOE_LAYOUTS], STEPS, workdir, common)
     for spec, curve in curves.items():
         ref = moe_reference if spec in MOE_LAYOUTS else reference
         print(f"Muon {spec[:40]:<40} max |dloss| {_max_diff(curve.losses, ref.losses):.2e}  "
@@ -116,8 +116,8 @@ def clip_runs(tmp_path_factory):
     no_clip, _ = _train(_argv(workdir, "no_clip", "", 0.0))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     curves = {}
-    for world in sorted({Layout.parse(layout).world_size for layout in CLIP_LAYOUTS}):
-        layouts = [layout for layout in CLIP_LAYOUTS if Layout.parse(layout).world_size == world]
+    for world in sorted({ParityCase.parse(layout).world_size for layout in CLIP_LAYOUTS}):
+        layouts = [layout for layout in CLIP_LAYOUTS if ParityCase.parse(layout).world_size == world]
         cases = {layout: _argv(workdir, f"run_{i}_{world}", layout, TAU) for i, layout in enumerate(layouts)}
         cases_file, curves_file = workdir / f"cases_{world}.json", workdir / f"curves_{world}.json"
         cases_file.write_text(json.dumps(cases))

@@ -25,7 +25,7 @@ from meshloom.planning.run_plan import RunPlan
 from meshloom.cli.checkpoint_commands import convert_main
 from meshloom.testing.layout_parity import (
     FP32_TOLERANCE,
-    Layout,
+    ParityCase,
     base_overrides,
     launch,
     run_steps,
@@ -261,11 +261,11 @@ def test_multi_rank_parity_dense_and_moe(tmp_path, data_cache):
     os.environ.pop("WORLD_SIZE", None)
     (tmp_path / "cache").symlink_to(data_cache)
     references = {
-        name: run_steps(base_overrides(10, tmp_path) + Layout.parse(settings).setting_args() + ["--job.dump_folder", str(tmp_path / name)])
+        name: run_steps(base_overrides(10, tmp_path) + ParityCase.parse(settings).setting_args() + ["--job.dump_folder", str(tmp_path / name)])
         for name, settings in REFERENCES.items()
     }
     specs = {f"{layout},{REFERENCES[name]}": name for name, layouts in CASES_BY_REFERENCE.items() for layout in layouts}
-    curves = launch([Layout.parse(spec) for spec in specs], 10, tmp_path)
+    curves = launch([ParityCase.parse(spec) for spec in specs], 10, tmp_path)
     for spec, name in specs.items():
         reference = references[name]
         loss_diff = max(abs(a - b) for a, b in zip(reference.losses, curves[spec].losses, strict=True))

@@ -17,7 +17,6 @@ meshloom/parallel/float8.py) on top of the bf16 bound.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -27,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshloom.config.errors import UserError
-from meshloom.parallel.dims import MESH_DIMS
+from meshloom.parallel.dims import DEGREE_NAMES
 from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16
+from meshloom.planning.layout import Layout
 
 FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 5e-3
@@ -56,12 +56,15 @@ def base_overrides(steps: int, workdir: Path) -> list[str]:
 
 
 @dataclass
-class Layout:
+class ParityCase:
+    """One case of the harness: a layout and any other settings, written as `key=value,...` (bare keys are
+    parallelism or training settings, dotted keys any setting). Its degrees are a planning `Layout`."""
+
     spec: str
     settings: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, spec: str) -> Layout:
+    def parse(cls, spec: str) -> ParityCase:
         settings = {}
         for item in filter(None, spec.split(",")):
             key, eq, value = item.partition("=")
@@ -71,12 +74,16 @@ class Layout:
         return cls(spec, settings)
 
     @property
+    def layout(self) -> Layout:
+        return Layout(**{name: int(self.settings.get(name, 1)) for name in DEGREE_NAMES})
+
+    @property
     def world_size(self) -> int:
-        return math.prod(int(self.settings.get(name, 1)) for name in MESH_DIMS)
+        return self.layout.world_size
 
     @property
     def dp(self) -> int:
-        return int(self.settings.get("dp_replicate", 1)) * int(self.settings.get("dp_shard", 1))
+        return self.layout.dp
 
     @property
     def tolerance(self) -> float:
@@ -153,9 +160,9 @@ def check_cases(cases: dict[str, list[str]], world_size: int) -> None:
             raise UserError(f"layout {spec!r}: {err}") from None
 
 
-def launch(layouts: list[Layout], steps: int, workdir: Path, common: list[str] | None = None) -> dict[str, Curve]:
+def launch(layouts: list[ParityCase], steps: int, workdir: Path, common: list[str] | None = None) -> dict[str, Curve]:
     """One torchrun per world size; every layout of that size runs in turn inside it."""
-    by_world: dict[int, list[Layout]] = defaultdict(list)
+    by_world: dict[int, list[ParityCase]] = defaultdict(list)
     for layout in layouts:
         by_world[layout.world_size].append(layout)
     curves: dict[str, Curve] = {}
@@ -189,7 +196,7 @@ def worker(cases_file: Path, out_file: Path) -> None:
 
 @dataclass
 class Comparison:
-    layout: Layout
+    layout: ParityCase
     curve: Curve
     max_loss_diff: float
     grad_norm_diff: float
@@ -205,8 +212,8 @@ def compare(
     layout_specs: list[str], steps: int = 10, workdir: Path | None = None, common: str = ""
 ) -> tuple[Curve, list[Comparison]]:
     """`common` settings (e.g. "model.n_layers=4") apply to the reference and every layout alike."""
-    layouts = [Layout.parse(spec) for spec in layout_specs]
-    common_args = Layout.parse(common).setting_args()
+    layouts = [ParityCase.parse(spec) for spec in layout_specs]
+    common_args = ParityCase.parse(common).setting_args()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="meshloom-parity-"))
     workdir.mkdir(parents=True, exist_ok=True)
     reference = run_steps(base_overrides(steps, workdir) + common_args + ["--job.dump_folder", str(workdir / "reference")])

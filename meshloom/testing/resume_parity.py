@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshloom.testing.layout_parity import Layout, base_overrides, torchrun
+from meshloom.testing.layout_parity import ParityCase, base_overrides, torchrun
 
 
 class _Stop(Exception):
@@ -32,10 +32,10 @@ class Case:
 
     @property
     def world_size(self) -> int:
-        return Layout.parse(self.layout).world_size
+        return ParityCase.parse(self.layout).world_size
 
     def argv(self, workdir: Path) -> list[str]:
-        layout = Layout.parse(self.layout)
+        layout = ParityCase.parse(self.layout)
         return (
             base_overrides(self.steps, workdir)
             + ["--training.deterministic", "true", "--job.dump_folder", self.run_dir]
