@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from meshloom.train.replicas import EXTRA_HINT, torchft_installed
+from meshloom.planning.checks import EXTRA_HINT, torchft_installed
 
 
 def build_parser() -> argparse.ArgumentParser:

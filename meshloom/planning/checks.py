@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from meshloom.config.errors import ConfigError
+from meshloom.config.fault_tolerance import FaultToleranceConfig
 from meshloom.config.schema import Config
 from meshloom.models.shape import ShapeModel
+from meshloom.models.spec import ModelSpec
 from meshloom.parallel.document_balance import planned_layout
 from meshloom.parallel.dims import ParallelDims
 
@@ -62,3 +66,61 @@ def grad_accum_steps(config: Config, dp: int) -> int:
             f"(x replica groups) = {tc.local_batch_size} x {dp}; change one of them"
         )
     return global_batch // per_microbatch
+
+
+def check_qk_clip_config(config: Config, spec: ModelSpec, dims: ParallelDims) -> None:
+    tau = config.optimizer.qk_clip_threshold
+    if tau <= 0:
+        return
+    if spec.qk_clip is None:
+        reason = spec.qk_clip_refusal or "its attention does not factor per head"
+        raise ConfigError(
+            f"optimizer.qk_clip_threshold = {tau} rescales each attention head's query and key projections, but the "
+            f"{spec.name} model family does not offer it ({reason}); set optimizer.qk_clip_threshold = 0"
+        )
+
+
+# How a missing torchft is installed.
+EXTRA_HINT = 'pip install -e ".[ft]"'
+
+
+def replica_groups(config: Config) -> int:
+    """How many groups share each global batch (1 without fault tolerance)."""
+    return config.fault_tolerance.group_size if config.fault_tolerance.enable else 1
+
+
+def torchft_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torchft") is not None
+    except ValueError:  # listed in sys.modules as None: blocked, as good as missing
+        return False
+
+
+def check_fault_tolerance(config: Config, dp_replicate: int, pp: int = 1) -> None:
+    """The settings and layouts replica groups cannot run with (called by RunPlan.build)."""
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return
+    if not torchft_installed():
+        raise ConfigError(f"fault_tolerance.enable needs torchft, which is not installed; install the extra: {EXTRA_HINT}")
+    if dp_replicate > 1:
+        raise ConfigError(
+            f"fault_tolerance.enable: the replica groups are the replicate dimension, so parallelism.dp_replicate must be 1 "
+            f"inside a group (got {dp_replicate}); launch fault_tolerance.group_size groups instead"
+        )
+    if config.training.nonfinite == "rollback":
+        raise ConfigError(
+            "fault_tolerance.enable with training.nonfinite = 'rollback' would reload a disk checkpoint in one group "
+            "only; choose training.nonfinite = 'halt' or 'skip_step'"
+        )
+    check_semi_sync(ft, pp)
+
+
+def check_semi_sync(settings: FaultToleranceConfig, pp: int) -> None:
+    if not settings.semi_sync:
+        return
+    if pp > 1:
+        raise ConfigError(
+            f"fault_tolerance.semi_sync = {settings.semi_sync!r} syncs one model per group, not pipeline stages; set "
+            "parallelism.pp = 1 or fault_tolerance.semi_sync = ''"
+        )

@@ -27,9 +27,17 @@ from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.float8 import check_float8_config
 from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline
 from meshloom.observe.profiler import check_profiling_config
-from meshloom.planning.checks import check_context_parallel, check_generic_layout, check_moe_settings, grad_accum_steps
-from meshloom.train.qk_clip import check_qk_clip_config
-from meshloom.train.replicas import check_fault_tolerance, replica_groups
+from meshloom.planning.checks import (
+    check_context_parallel,
+    check_fault_tolerance,
+    check_generic_layout,
+    check_moe_settings,
+    check_qk_clip_config,
+    grad_accum_steps,
+    replica_groups,
+)
+
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -21,24 +21,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from meshloom.config.errors import ConfigError
-from meshloom.config.schema import Config
 from meshloom.models.common.qk_clip import ClipTarget, scale_rows_
 from meshloom.models.spec import ModelSpec
 from meshloom.parallel.dims import ParallelDims
 from meshloom.tensors import local_tensor
-
-
-def check_qk_clip_config(config: Config, spec: ModelSpec, dims: ParallelDims) -> None:
-    tau = config.optimizer.qk_clip_threshold
-    if tau <= 0:
-        return
-    if spec.qk_clip is None:
-        reason = spec.qk_clip_refusal or "its attention does not factor per head"
-        raise ConfigError(
-            f"optimizer.qk_clip_threshold = {tau} rescales each attention head's query and key projections, but the "
-            f"{spec.name} model family does not offer it ({reason}); set optimizer.qk_clip_threshold = 0"
-        )
 
 
 def _first_row(param: Tensor) -> int:

@@ -21,7 +21,6 @@ a `step_retried` event row; no other sample is read twice.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -42,46 +41,13 @@ from meshloom.train.replica_check import (
     check_across_groups,
     check_within_group,
 )
-from meshloom.train.semi_sync import check_semi_sync, start_semi_sync
+from meshloom.train.semi_sync import start_semi_sync
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-EXTRA_HINT = 'pip install -e ".[ft]"'
 
 
 def lighthouse_address(settings: FaultToleranceConfig) -> str:
     return settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
-
-
-def replica_groups(config: Config) -> int:
-    """How many groups share each global batch (1 without fault tolerance)."""
-    return config.fault_tolerance.group_size if config.fault_tolerance.enable else 1
-
-
-def torchft_installed() -> bool:
-    try:
-        return importlib.util.find_spec("torchft") is not None
-    except ValueError:  # listed in sys.modules as None: blocked, as good as missing
-        return False
-
-
-def check_fault_tolerance(config: Config, dp_replicate: int, pp: int = 1) -> None:
-    """The settings and layouts replica groups cannot run with (called by RunPlan.build)."""
-    ft = config.fault_tolerance
-    if not ft.enable:
-        return
-    if not torchft_installed():
-        raise ConfigError(f"fault_tolerance.enable needs torchft, which is not installed; install the extra: {EXTRA_HINT}")
-    if dp_replicate > 1:
-        raise ConfigError(
-            f"fault_tolerance.enable: the replica groups are the replicate dimension, so parallelism.dp_replicate must be 1 "
-            f"inside a group (got {dp_replicate}); launch fault_tolerance.group_size groups instead"
-        )
-    if config.training.nonfinite == "rollback":
-        raise ConfigError(
-            "fault_tolerance.enable with training.nonfinite = 'rollback' would reload a disk checkpoint in one group "
-            "only; choose training.nonfinite = 'halt' or 'skip_step'"
-        )
-    check_semi_sync(ft, pp)
 
 
 def replica_run_dir(config: Config) -> str:

@@ -16,18 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.fault_tolerance import FaultToleranceConfig
-
-
-def check_semi_sync(settings: FaultToleranceConfig, pp: int) -> None:
-    if not settings.semi_sync:
-        return
-    if pp > 1:
-        raise ConfigError(
-            f"fault_tolerance.semi_sync = {settings.semi_sync!r} syncs one model per group, not pipeline stages; set "
-            "parallelism.pp = 1 or fault_tolerance.semi_sync = ''"
-        )
 
 
 def start_semi_sync(
