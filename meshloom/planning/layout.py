@@ -77,8 +77,8 @@ class Layout:
 
     @property
     def pipeline_microbatches(self) -> int:
-        """Microbatches of one pipeline step (or of one forward/backward pass when pp = 1: 1)."""
-        return self.microbatches // self.grad_accum_steps
+        """Microbatches of one pipeline step (1 without a pipeline: each microbatch is its own forward/backward)."""
+        return self.microbatches // self.grad_accum_steps if self.pp > 1 else 1
 
     @property
     def local_batch_size(self) -> int:
