@@ -231,7 +231,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def _train_one_process(args: list[str], tmp_path: Path, prelude: str = "") -> subprocess.CompletedProcess:
     code = f"import sys; {prelude}from meshloom.cli import main; sys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", code, "train", *base_overrides(2, tmp_path), "--job.dump_folder", str(tmp_path / "run"), *args]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, check=False, env=_env(), capture_output=True, text=True, timeout=300)
 
 
 def test_bad_input_is_one_line(tmp_path: Path, data_cache: Path) -> None:
@@ -242,9 +242,11 @@ def test_bad_input_is_one_line(tmp_path: Path, data_cache: Path) -> None:
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert 'meshloom: error: fault_tolerance.enable needs torchft' in missing.stderr and '".[ft]"' in missing.stderr
     start = time.monotonic()
+    # One process, one group of two: 4 sequences per rank make the 8 of the global batch.
     unreachable = _train_one_process(
-        [*FT, "--fault_tolerance.lighthouse", "http://localhost:1", "--fault_tolerance.connect_timeout_seconds", "2"], tmp_path
-    )
+        [*FT, "--fault_tolerance.lighthouse", "http://localhost:1", "--fault_tolerance.connect_timeout_seconds", "2",
+         "--training.local_batch_size", "4"], tmp_path,
+    )  # fmt: skip
     assert unreachable.returncode == 2 and "Traceback" not in unreachable.stderr, unreachable.stderr[-3000:]
     assert "meshloom: error: cannot reach the Lighthouse at http://localhost:1 within" in unreachable.stderr
     assert time.monotonic() - start < 60
@@ -261,20 +263,3 @@ def test_bad_input_is_one_line(tmp_path: Path, data_cache: Path) -> None:
     with pytest.raises(ConfigError, match=r"is not a multiple of local_batch_size x data-parallel degree \(x replica groups\)"):
         plan("--training.global_batch_size", "6", "--training.local_batch_size", "2", world=2)
 
-
-def test_diloco_two_groups_train_about_as_well_as_hsdp(tmp_path: Path, data_cache: Path) -> None:
-    """Semi-sync: each group takes 5 inner steps alone, then torchft's DiLoCo averages the pseudo-gradients; after 30
-    steps the loss is within 10% of an HSDP 2 x 2 run's."""
-    (tmp_path / "cache").symlink_to(data_cache)
-    hsdp = tmp_path / "hsdp"
-    args = ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2", "--job.dump_folder", str(hsdp)]
-    assert _torchrun(4, args, tmp_path, tmp_path / "hsdp.log", steps=30).wait(timeout=400) == 0, (tmp_path / "hsdp.log").read_text()[-6000:]
-    diloco = tmp_path / "diloco"
-    semi = ["--fault_tolerance.semi_sync", "diloco", "--fault_tolerance.sync_every", "5"]
-    _run_groups(tmp_path, diloco, [semi, semi], steps=30)
-    reference = _losses(_rows(hsdp))[30]
-    for group in (0, 1):
-        rows = _rows(diloco / f"replica_{group}")
-        assert sorted(_losses(rows)) == list(range(1, 31))
-        assert abs(_losses(rows)[30] - reference) <= 0.1 * reference, (_losses(rows)[30], reference)
-        assert [row["replicas"] for row in rows if "loss" in row][-1] == 2.0
