@@ -31,7 +31,7 @@ from meshloom.train.qk_clip import QKClip
 STEPS = 10
 COMMON = "model.name=deepseek_v3,model.n_layers=2,training.seq_len=32,optimizer.name=Muon"
 # Inside the heads' range of largest logits during these 10 steps (about 0.06-0.1 with q-LoRA, 0.1-0.13 without).
-TAUS = {"tiny": 0.08, "tiny_no_q_lora": 0.115}
+TAUS = {"tiny": 0.08, "tiny_no_q_lora": 0.118}
 LAYOUTS = ["tp=2", "dp_shard=2", "cp=2", "pp=2", "dp_shard=2,ep=2"]
 
 
