@@ -85,7 +85,7 @@ def test_interleaved_and_v_schedules_change_bubble_and_memory():
     inter = dataclasses.replace(base, pipeline_schedule="Interleaved1F1B", stages_per_rank=2)
     zbv = dataclasses.replace(base, pipeline_schedule="ZBVZeroBubble", stages_per_rank=2)
     gpipe = dataclasses.replace(base, pipeline_schedule="GPipe")
-    assert bubble_share(base) == 3 / 16 and bubble_share(inter) == 3 / 32 and bubble_share(zbv) == pytest.approx(1 / 16)
+    assert bubble_share(base) == 3 / 16 and bubble_share(inter) == 3 / 32 and bubble_share(zbv) == pytest.approx(1 / 32)
     p = Precision("bf16")
     acts = {lay.pipeline_schedule: estimate_memory(shape, lay, 8192, p).activations for lay in (base, inter, gpipe)}
     assert acts["1F1B"] < acts["Interleaved1F1B"] < acts["GPipe"]
@@ -101,7 +101,7 @@ def test_deepseek_v3_671b_on_1024_gpus_finds_pipeline_and_expert_parallel(tmp_pa
     assert plan_main(argv) == 0
     assert time.process_time() - start < 60
     printed = capsys.readouterr().out
-    assert printed.count("\n#") == 4 and "tokens/s per GPU" in printed and "bubble" in printed
+    assert printed.count("\n#") == 5 and "tokens/s per GPU" in printed and "bubble" in printed
     config = load_config(["--config", str(out)])
     run = RunPlan.build(config, 1024)
     best = layout_of(run)

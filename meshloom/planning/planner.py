@@ -207,7 +207,10 @@ def plan(
     space: SearchSpace = SearchSpace(),
 ) -> list[Candidate]:
     """Layouts that fit, fastest first (ties: fewer parallel dimensions, then less memory)."""
-    args = get_model_args(model, flavor)  # an unknown model or flavour is a one-line error here
+    try:
+        args = get_model_args(model, flavor)
+    except ValueError as err:  # an unknown model or flavour, with the choices
+        raise UserError(str(err)) from None
     if cluster.interconnect not in INTERCONNECTS:
         raise UserError(f"unknown interconnect {cluster.interconnect!r}; choices: {', '.join(INTERCONNECTS)}")
     if cluster.gpus % cluster.gpus_per_node and cluster.gpus > cluster.gpus_per_node:
