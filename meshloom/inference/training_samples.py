@@ -36,7 +36,7 @@ def check_sampling_config(config: Config) -> list[str]:
     if not v.prompts:
         return []
     try:
-        SamplingSettings(v.temperature, v.top_k, v.top_p, v.sample_seed).check(SETTING_NAMES)
+        SamplingSettings(v.temperature, v.top_k, v.top_p, v.sample_seed).check(SETTING_NAMES).check_cuts_apply(SETTING_NAMES)
         if v.max_new_tokens < 1:
             raise UserError(f"validation.max_new_tokens must be >= 1, got {v.max_new_tokens}")
         return read_prompts(v.prompts, "validation.prompts")

@@ -9,6 +9,8 @@ exceeds the compute time counts); tensor, context and pipeline traffic sits on t
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,10 +105,12 @@ def enumerate_layouts(spec: ModelSpec, args: Any, cluster: Cluster, seq_len: int
     """Every layout of `cluster.gpus` ranks the model and batch allow (TP inside a node, one sequence per
     microbatch at least, CP splitting the sequence into pieces of at least 1,024 tokens)."""
     layouts = []
-    for tp in _divisors(cluster.gpus_per_node):
+    # Every degree divides the GPU count, so each layout uses exactly the GPUs given (tp within a node).
+    for tp in _divisors(math.gcd(cluster.gpus_per_node, cluster.gpus)):
         for cp in (c for c in _divisors(cluster.gpus // tp) if seq_len % (2 * c) == 0 and seq_len // c >= 1024 or c == 1):
             for pp in (p for p in _divisors(cluster.gpus // (tp * cp)) if p <= args.n_layers // 2 or p == 1):
                 dp = cluster.gpus // (tp * cp * pp)
+                assert dp * tp * cp * pp == cluster.gpus
                 if global_batch % dp or not _allowed(spec, args, Layout(dp_shard=dp, tp=tp, pp=pp, cp=cp)):
                     continue
                 per_rank = global_batch // dp

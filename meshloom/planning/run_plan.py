@@ -17,6 +17,7 @@ from meshloom.config.schema import Config
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
+from meshloom.planning.effective_settings import check_settings_take_effect
 from meshloom.parallel.activation_checkpoint import check_activation_checkpoint_config
 from meshloom.parallel.compile import check_compile_config
 from meshloom.parallel.dims import ParallelDims
@@ -53,6 +54,7 @@ class RunPlan:
             )
         dims = ParallelDims.from_config(config.parallelism, world_size)
         _check_generic_layout(spec.shape_model(args), dims)
+        check_settings_take_effect(config, spec.shape_model(args).n_experts)
         spec.check_layout(args, dims)
         pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
         grad_accum_steps = _grad_accum_steps(config, dims.dp)

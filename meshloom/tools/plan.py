@@ -9,9 +9,11 @@ The estimates and the search are `meshloom.planning.planner`'s; this is the comm
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
+from meshloom.checkpoint.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.planning.memory_estimate import GIB
 from meshloom.planning.planner import INTERCONNECTS, Cluster, format_table, layout_toml, plan
@@ -32,27 +34,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--headroom", type=float, default=0.9, help="usable share of GPU memory")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--output", type=Path, help="write the best layout as a TOML recipe here")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     opts = parser.parse_args(argv)
     for name in ("gpus", "gpus_per_node", "seq_len", "global_batch"):
         if getattr(opts, name) <= 0:
-            print(f"meshloom plan: error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            print(f"meshloom: error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     if not 0 < opts.mfu <= 1 or not 0 < opts.headroom <= 1:
-        print("meshloom plan: error: --mfu and --headroom must lie in (0, 1]", file=sys.stderr)
+        print("meshloom: error: --mfu and --headroom must lie in (0, 1]", file=sys.stderr)
         return 2
     cluster = Cluster(opts.gpus, opts.gpus_per_node, opts.gpu_memory_gib, opts.interconnect, opts.peak_tflops, opts.mfu, opts.headroom)
     try:
+        if opts.output is not None:
+            check_output_file(opts.output, opts.overwrite)
         candidates = plan(opts.flavor, cluster, opts.seq_len, opts.global_batch, model=opts.model)
     except UserError as err:
-        print(f"meshloom plan: error: {err}", file=sys.stderr)
+        print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
     print(f"{opts.model} {opts.flavor} on {opts.gpus} x {opts.gpu_memory_gib:g} GiB ({opts.interconnect}), seq {opts.seq_len}, "
           f"global batch {opts.global_batch}: {len(candidates)} layouts fit; fastest first")
     print(format_table(candidates, opts.top))
+    tp_max = math.gcd(opts.gpus, opts.gpus_per_node)
+    if tp_max < min(opts.gpus, opts.gpus_per_node):
+        print(f"note: every layout uses all {opts.gpus} GPUs, so tensor parallel is limited to degrees dividing both "
+              f"{opts.gpus} and --gpus-per-node {opts.gpus_per_node} (at most {tp_max}); a GPU count that divides a node "
+              "allows more")
     if opts.output is not None:
         best = candidates[0]
         note = (f"meshloom plan: {best.layout.describe()}, estimated peak {best.memory.peak / GIB:.1f} GiB, "
                 f"step {best.step_s:.3f} s on {opts.gpus} GPUs")
-        opts.output.write_text(layout_toml(opts.model, opts.flavor, best.layout, opts.seq_len, note))
+        try:
+            write_output_file(opts.output, layout_toml(opts.model, opts.flavor, best.layout, opts.seq_len, note), opts.overwrite)
+        except UserError as err:
+            print(f"meshloom: error: {err}", file=sys.stderr)
+            return 2
         print(f"wrote {opts.output}")
     return 0
