@@ -123,7 +123,7 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     try:
-        if args.out.suffix != ".safetensors":
+        if args.out.suffix != ".safetensors" and not args.out.is_dir():  # a folder: check_output_file says so
             raise UserError(
                 f"{args.out} does not end in .safetensors; loaders (transformers, safetensors) find weights by that "
                 f"suffix, so give e.g. {args.out.with_suffix('.safetensors')}"

@@ -116,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _report(results: list) -> None:
     """Prefill (prompt) and decode throughput, measured apart; the first new token of each row comes from the prefill."""
     prompt = sum(r.prompt_tokens for r in results)
