@@ -5,7 +5,6 @@ leaves no file behind. Also the `parallelism.resize` rule an elastic run restart
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import socket
 import subprocess

@@ -95,6 +95,8 @@ class Checkpointer:
         if c.initial_load_path and not c.resume:
             self.initial = self._open_initial(c.initial_load_path, c.initial_load_format)
         self._precheck(complete)
+        if c.enable:
+            self._refuse_foreign_folders(complete)
         # The run lineage whose step folders this run may replace and prune: a fresh one, or on resume the one of
         # the checkpoint it continues (set when that is loaded).
         self.lineage = uuid.uuid4().hex
@@ -143,9 +145,37 @@ class Checkpointer:
             metadata = read_index(target.path)
         except CorruptCheckpointError:
             return  # reported, or fallen back from, when loading
+        if self.settings.resume:
+            self._check_optimizer(target.path, metadata)
         with torch.device("meta"):
             model = spec.model_cls(args)
         check_model_shapes(target.path, metadata, {n: t.shape for n, t in model.state_dict().items()}, complete_model=True)
+
+    def _refuse_foreign_folders(self, complete: list[CheckpointInfo]) -> None:
+        """A step folder this run would save into but did not start is refused now, not after the training before it."""
+        start = complete[-1].step if self.settings.resume and complete else 0
+        last, interval = self.config.training.steps, self.settings.interval
+        scheduled = {s for s in range(start + 1, last + 1) if s % interval == 0 or s == last}
+        lineage = folders.lineage_of(complete[-1].path) if self.settings.resume and complete else None
+        foreign = folders.foreign_step_folders(self.root, lineage, scheduled)
+        if foreign:
+            raise ConfigError(
+                f"{foreign[0]} already exists and was not made by this run, which would save step {foreign[0].name[5:]} "
+                f"there; move it out of {self.root} (it is never overwritten) or choose another checkpoint.folder"
+            )
+
+    def _check_optimizer(self, path: Path, metadata: Metadata) -> None:
+        """An optimizer's state carries over only to the same optimizer: say so, rather than a missing key."""
+        keys = [k for k in metadata.state_dict_metadata if k.startswith("optimizer.")]
+        if not keys:
+            return  # weights only
+        saved = "Muon" if any(k.endswith("momentum_buffer") for k in keys) else "AdamW"
+        if saved != self.config.optimizer.name:
+            raise ConfigError(
+                f"checkpoint.resume: {path} holds {saved} optimizer state, but optimizer.name = "
+                f"{self.config.optimizer.name!r}; resume with --optimizer.name {saved}, or start fresh from its weights "
+                f"with --checkpoint.initial_load_path {path} and a new job.dump_folder"
+            )
 
     def _check_steps_left(self, path: Path, step: int) -> None:
         if step >= self.config.training.steps:
@@ -325,6 +355,17 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.finished.result()
+
+    def finish_on_interrupt(self) -> None:
+        """Ctrl-C: let the background save in flight finish and commit, as a sync save would (a second Ctrl-C
+        abandons it; its folder then stays incomplete and is never loaded)."""
+        if self._pending is None:
+            return
+        _say(f"interrupted: waiting for the save of step {self._pending.step} to finish (Ctrl-C again to abandon it)")
+        try:
+            self.wait()
+        except KeyboardInterrupt:
+            _say("the save in flight was abandoned")
 
     def _finish(self, step: int, path: Path, metadata: Metadata, group: dist.ProcessGroup | None, start: float,
                 blocking: float | None) -> None:  # fmt: skip

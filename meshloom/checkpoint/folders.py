@@ -164,6 +164,12 @@ def owned_by(path: Path, lineage: str) -> bool:
     return lineage_of(path) == lineage
 
 
+def foreign_step_folders(root: Path, lineage: str | None, steps: set[int]) -> list[Path]:
+    """Incomplete step folders at one of `steps` not started by `lineage` (None: by no lineage of this run)."""
+    _, partial = list_checkpoints(root)
+    return [p for p in partial if _step_of(p) in steps and (lineage is None or not owned_by(p, lineage))]
+
+
 def remove(path: Path) -> None:
     """Delete a step folder, marker first, so a crash half-way leaves it incomplete, never half-complete."""
     (Path(path) / MARKER_FILE).unlink(missing_ok=True)

@@ -1,11 +1,19 @@
 """Writing where the user points: never over what is already there unless asked, and all or nothing.
 
-A folder output is written into a hidden temporary folder beside it and moved into place at the end, so a
-failure half-way leaves the target as it was. An existing, non-empty target is refused unless `overwrite`;
-with it, the target's old weight files (whatever this package writes: safetensors and their index, DCP shards
-and index, commit marker, model and run descriptions) are removed before the new files move in, and every
-other file of the user's stays. Outputs get the permissions of any new file (0644 under the usual umask 022),
-whatever the library that wrote them used for its own temporary files.
+Every command that writes a file or folder the user names (convert, export, seed-checkpoint, generate, eval,
+plan, report, tokenizer, prepare) goes through here, so they all refuse alike:
+
+- An existing file, or a non-empty folder, is refused unless `overwrite`; an output that is one of the
+  command's own inputs is refused always. The target must be creatable: it is probed before the heavy work, so
+  a bad path fails in a second, not after an hour of generation.
+- A folder output is written into a hidden temporary folder beside it and moved into place at the end, so a
+  failure half-way leaves the target as it was. With `overwrite`, only what the new output replaces is
+  removed: files of the same names, and the old weight files of the same kind (safetensors shards and their
+  index for a Hugging Face folder; DCP shards, index and markers for a meshloom checkpoint) that would
+  otherwise go stale. Every other file (a generation_config.json, an adapter_model.safetensors, a README)
+  stays. A Hugging Face folder is never written over a meshloom checkpoint, nor the other way round.
+- Outputs get the permissions of any new file (0644 under the usual umask 022), whatever the library that
+  wrote them used for its own temporary files.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from pathlib import Path
 
 from meshloom.config.errors import UserError
 
-# Files a weights output of this package may consist of (replaced as a whole by --overwrite).
-REPLACED = (
-    "*.safetensors", "*.safetensors.index.json", "*.distcp", ".metadata", "config.json", "complete.json", "save.json",
-    "model_args.json", "generation_config.json",
-)  # fmt: skip
+# The weight files of each kind of folder output: replaced as a set by --overwrite.
+WEIGHT_FILES = {
+    "hf": ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json"),
+    "checkpoint": ("*.distcp", ".metadata", "complete.json", "save.json", "model_args.json"),
+}
+KIND_NAMES = {"hf": "a Hugging Face model", "checkpoint": "a meshloom checkpoint"}
 
 
 def _default_modes() -> tuple[int, int]:
@@ -45,17 +54,45 @@ def normalize_permissions(path: Path) -> None:
 
 
 def _writable_parent(path: Path) -> None:
-    """The nearest existing ancestor of `path` must be a writable folder."""
+    """The nearest existing ancestor of `path` must be a folder this process can create entries in.
+
+    Tried for real (a probe folder made and removed at once): permission bits say nothing for root, and
+    /proc or /sys refuse writes whatever their bits say."""
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise UserError(f"cannot write {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write {path}: {parent} is not writable; choose another output location")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".meshloom-probe-", dir=parent))
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {parent} is not writable ({err.strerror}); choose another output location") from None
 
 
-def check_output_folder(dst: Path, overwrite: bool) -> None:
+@contextmanager
+def _naming_target(target: Path) -> Iterator[None]:
+    """An OS error while writing names the user's path, not the hidden temporary one."""
+    try:
+        yield
+    except OSError as err:
+        raise UserError(f"cannot write {target}: {err.strerror or err}; choose another output location") from None
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+def folder_kind(path: Path) -> str | None:
+    """'hf' or 'checkpoint' when the folder holds weight files of that kind."""
+    names = [p.name for p in path.iterdir() if p.is_file()] if path.is_dir() else []
+    for kind, patterns in WEIGHT_FILES.items():
+        if any(_matches(name, patterns) for name in names):
+            return kind
+    return None
+
+
+def check_output_folder(dst: Path, overwrite: bool, kind: str | None = None) -> None:
+    """Raise UserError unless `dst` may receive a folder output of `kind` (see the module docstring)."""
     if dst.exists() and not dst.is_dir():
         raise UserError(f"{dst} is a file; give a folder to write into")
     if dst.is_dir():
@@ -63,58 +100,82 @@ def check_output_folder(dst: Path, overwrite: bool) -> None:
             raise UserError(
                 f"{dst} is not empty; pass --overwrite to replace its weight files (other files are kept), or give a new folder"
             )
-        if not os.access(dst, os.W_OK | os.X_OK):
-            raise UserError(f"cannot write into {dst}: it is not writable")
+        old = folder_kind(dst)
+        if kind is not None and old is not None and old != kind:
+            raise UserError(
+                f"{dst} holds {KIND_NAMES[old]}; writing {KIND_NAMES[kind]} into it would mix the two, even with "
+                "--overwrite; give a new folder"
+            )
+        _writable_parent(dst / "x")
     else:
         _writable_parent(dst)
 
 
 @contextmanager
-def staged_folder(dst: Path, overwrite: bool = False) -> Iterator[Path]:
+def staged_folder(dst: Path, overwrite: bool = False, kind: str | None = None) -> Iterator[Path]:
     """Yield an empty temporary folder; on success its contents become `dst` (see the module docstring)."""
     dst = Path(dst)
-    check_output_folder(dst, overwrite)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    check_output_folder(dst, overwrite, kind)
+    with _naming_target(dst):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
         yield tmp
-        normalize_permissions(tmp)
-        if not dst.exists():
-            os.replace(tmp, dst)
-            return
-        for old in dst.iterdir():
-            if old.is_file() and any(fnmatch.fnmatch(old.name, pattern) for pattern in REPLACED):
-                old.unlink()
-        for new in tmp.iterdir():
-            target = dst / new.name
-            if target.is_dir():
-                shutil.rmtree(target)
-            os.replace(new, target)
-        tmp.rmdir()
+        with _naming_target(dst):
+            normalize_permissions(tmp)
+            if not dst.exists():
+                os.replace(tmp, dst)
+                return
+            new_names = {p.name for p in tmp.iterdir()}
+            stale = WEIGHT_FILES.get(folder_kind(tmp) or "", ())
+            for old in dst.iterdir():
+                if old.is_file() and old.name not in new_names and _matches(old.name, stale):
+                    old.unlink()
+            for new in tmp.iterdir():
+                target = dst / new.name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                os.replace(new, target)
+            tmp.rmdir()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_output_file(out: Path, overwrite: bool) -> None:
+def check_output_file(out: Path, overwrite: bool, inputs: tuple[tuple[str, Path], ...] = ()) -> None:
+    """Raise UserError unless `out` may be written: not a folder, not one of `inputs` ((what, path) pairs, e.g.
+    ("the --prompts file", path)), not an existing file without `overwrite`, and in a writable place."""
+    out = Path(out)
     if out.is_dir():
-        raise UserError(f"{out} is a folder; give a file name to write, e.g. {out / 'model.safetensors'}")
+        raise UserError(f"{out} is a folder; give a file name to write")
+    for what, path in inputs:
+        if out.exists() and Path(path).exists() and out.resolve() == Path(path).resolve():
+            raise UserError(f"{out} is {what}; writing the output there would destroy it, so give another file name")
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it, or give another file name")
     _writable_parent(out)
 
 
 @contextmanager
-def staged_file(out: Path, overwrite: bool = False) -> Iterator[Path]:
+def staged_file(out: Path, overwrite: bool = False, inputs: tuple[tuple[str, Path], ...] = ()) -> Iterator[Path]:
     """Yield a temporary path beside `out`; on success it replaces `out` in one rename."""
     out = Path(out)
-    check_output_file(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)
-    os.close(fd)
+    check_output_file(out, overwrite, inputs)
+    with _naming_target(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.partial-", dir=out.parent)
+        os.close(fd)
     tmp = Path(name)
     try:
         yield tmp
-        normalize_permissions(tmp)
-        os.replace(tmp, out)
+        with _naming_target(out):
+            normalize_permissions(tmp)
+            os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_output_file(out: Path, data: str | bytes, overwrite: bool = False) -> Path:
+    """Write `data` to `out` at once (text as UTF-8), under the rules of `staged_file`."""
+    with staged_file(out, overwrite) as tmp, _naming_target(out):
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(out)

@@ -57,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshloom: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module_name, _, function_name = COMMANDS[command][0].partition(":")
-    return getattr(importlib.import_module(module_name), function_name)(rest)
+    from meshloom.config.errors import UserError  # noqa: PLC0415 (light: no torch)
+
+    try:
+        return getattr(importlib.import_module(module_name), function_name)(rest)
+    except UserError as err:  # a command that let a user's mistake through still answers in one line
+        print(f"meshloom: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = analyze(find_dump_folder(args.run_dir, args.attempt), args.late_seconds)
     except UserError as err:
-        print(f"meshloom analyze-hang: error: {err}", file=sys.stderr)
+        print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(_jsonable(report), indent=1) if args.json else format_report(report))
     return 0

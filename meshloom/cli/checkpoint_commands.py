@@ -14,17 +14,13 @@ from meshloom.checkpoint import folders
 from meshloom.checkpoint.offline import read_model_args, read_model_weights, save_weights
 from meshloom.checkpoint.hf import (
     DEFAULT_MAX_SHARD_BYTES,
-    INDEX_FILE,
-    WEIGHTS_FILE,
-    HFFolder,
     from_hf,
     parse_dtype,
     parse_size,
     write_hf_folder,
 )
 from meshloom.checkpoint.hf_export import tokenizer_files
-from meshloom.checkpoint.output import staged_file, staged_folder
-from meshloom.checkpoint.safe_read import METADATA_FILE
+from meshloom.checkpoint.output import check_output_file, check_output_folder, staged_file, staged_folder
 from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config
 from meshloom.inference import loading
@@ -67,7 +63,7 @@ def seed_checkpoint(argv: list[str]) -> Path:
     torch.manual_seed(config.training.seed)
     model = build_model(plan, torch.device("cpu"), bare=True)
     path = folders.step_dir(root, 0)
-    with staged_folder(path) as tmp:
+    with staged_folder(path, kind="checkpoint") as tmp:
         save_weights(model, tmp, plan.spec, plan.model_args, config)
     return path
 
@@ -87,17 +83,14 @@ def seed_checkpoint_main(argv: list[str]) -> int:
     return 0
 
 
-def _is_meshloom_checkpoint(path: Path) -> bool:
-    return (path / METADATA_FILE).is_file() or folders.is_complete(path) or bool(folders.list_checkpoints(path)[0])
-
-
 def convert_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="meshloom convert",
-        description="Hugging Face folder -> meshloom checkpoint (weights only, float32), or meshloom checkpoint -> "
-        "Hugging Face folder (config.json + safetensors, sharded with an index when large). The direction follows SRC.",
+        description="Hugging Face folder -> meshloom checkpoint (weights only, float32), or meshloom checkpoint (a run "
+        "folder: its latest complete checkpoint, a checkpoint root or a step folder) -> Hugging Face folder (config.json "
+        "+ safetensors, sharded with an index when large). The direction follows SRC.",
     )
-    parser.add_argument("src", type=Path, help="a Hugging Face model folder, or a meshloom checkpoint (step folder or root)")
+    parser.add_argument("src", type=Path, help="a Hugging Face model folder, or a run folder / meshloom checkpoint (step folder or root)")
     parser.add_argument("dst", type=Path, help="output folder (new or empty, unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace the weight files of a non-empty DST; its other files stay")
     parser.add_argument("--dtype", default="bfloat16", help="Hugging Face output dtype: bfloat16 or float32")
@@ -105,28 +98,32 @@ def convert_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if not args.src.exists():
-            return _fail(f"{args.src} does not exist; give a Hugging Face model folder or a meshloom checkpoint")
-        if _is_meshloom_checkpoint(args.src):
-            info = folders.open_checkpoint(args.src)
+            return _fail(f"{args.src} does not exist; give a Hugging Face model folder, a run folder or a meshloom checkpoint")
+        source = loading.resolve(args.src)
+        if source.checkpoint is not None:
+            info = source.checkpoint
             spec, model_args, extra = read_model_args(info)
             dtype, max_shard = parse_dtype(args.dtype), parse_size(args.max_shard_size)
             files, token_ids, note = run_tokenizer_files(info.path)
             base_config = {**(extra.get("hf_config") or {}), **token_ids}
-            with staged_folder(args.dst, args.overwrite) as tmp:
-                write_hf_folder(read_model_weights(info), spec, model_args, tmp, dtype, max_shard, base_config)
+            check_output_folder(args.dst, args.overwrite, "hf")  # before the weights are read
+            weights = read_model_weights(info)
+            with staged_folder(args.dst, args.overwrite, "hf") as tmp:
+                write_hf_folder(weights, spec, model_args, tmp, dtype, max_shard, base_config)
                 for name, data in files.items():
                     (tmp / name).write_bytes(data)
-            print(f"Hugging Face model written to {args.dst} ({note})")
-        elif (args.src / WEIGHTS_FILE).is_file() or (args.src / INDEX_FILE).is_file():
-            folder = HFFolder(args.src)
+            print(f"Hugging Face model written to {args.dst} from {info.path} ({note})")
+        else:
+            folder = source.hf
+            check_output_folder(args.dst, args.overwrite, "checkpoint")
             model = from_hf(folder.path)
-            with staged_folder(args.dst, args.overwrite) as tmp:
+            with staged_folder(args.dst, args.overwrite, "checkpoint") as tmp:
                 save_weights(model, tmp, folder.spec, folder.args, extra={"hf_config": folder.config})
             print(f"meshloom checkpoint written to {args.dst}; train from it with --checkpoint.initial_load_path {args.dst}")
-        else:
-            return _fail(f"{args.src} is neither a meshloom checkpoint nor a Hugging Face model folder ({WEIGHTS_FILE} or {INDEX_FILE})")
-    except (UserError, OSError) as err:
+    except UserError as err:
         return _fail(str(err))
+    except OSError as err:
+        return _fail(f"cannot write {args.dst}: {err.strerror or err}; choose another output location")
     return 0
 
 
@@ -135,20 +132,31 @@ def export_main(argv: list[str]) -> int:
         prog="meshloom export",
         description="Write a checkpoint's model weights as one consolidated safetensors file (meshloom tensor names), for inference.",
     )
-    parser.add_argument("src", type=Path, help="a meshloom checkpoint (step folder, or a root: its latest complete step)")
+    parser.add_argument("src", type=Path, help="a run folder or a meshloom checkpoint (step folder, or a root: its latest complete step)")
     parser.add_argument("out", type=Path, help="output .safetensors file (new, unless --overwrite)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     try:
+        if args.out.suffix != ".safetensors" and not args.out.is_dir():  # a folder: check_output_file says so
+            raise UserError(
+                f"{args.out} does not end in .safetensors; loaders (transformers, safetensors) find weights by that "
+                f"suffix, so give e.g. {args.out.with_suffix('.safetensors')}"
+            )
         dtype = parse_dtype(args.dtype)
-        info = folders.open_checkpoint(args.src)
+        source = loading.resolve(args.src)
+        if source.checkpoint is None:
+            raise UserError(f"{args.src} is a Hugging Face folder; export reads a meshloom checkpoint or run folder")
+        info = source.checkpoint
+        check_output_file(args.out, args.overwrite)  # before the weights are read
         spec, model_args, extra = read_model_args(info)
         weights = {k: v.to(dtype).contiguous() for k, v in read_model_weights(info).items()}
         metadata = {"format": "pt", "model": spec.name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
         with staged_file(args.out, args.overwrite) as tmp:
             save_file(weights, tmp, metadata=metadata)
-    except (UserError, OSError) as err:
+    except UserError as err:
         return _fail(str(err))
+    except OSError as err:
+        return _fail(f"cannot write {args.out}: {err.strerror or err}; choose another output location")
     print(f"step {info.step} weights ({len(weights)} tensors, {args.dtype}) written to {args.out}")
     return 0

@@ -26,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json or tiktoken file instead of the source's own")
     p.add_argument("--output", type=Path, default=Path("eval.json"), help="where the JSON result goes (default: eval.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -33,6 +34,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args, settings = parser().parse_known_args(argv)
     from meshloom.eval.runner import EvalOptions, evaluate, write_result  # noqa: PLC0415 (--help answers without torch)
+    from meshloom.checkpoint.output import check_output_file  # noqa: PLC0415
     from meshloom.parallel.distributed import rank, shutdown_and_exit  # noqa: PLC0415
 
     code = 0
@@ -40,12 +42,19 @@ def main(argv: list[str]) -> int:
         bad = [a for a in settings if a.startswith("--") and "." not in a.partition("=")[0]]
         if bad:
             raise UserError(f"unknown argument {bad[0]}; settings look like --parallelism.tp 2")
+        if args.max_batches < 0:
+            raise UserError(f"--max-batches must be >= 0 (0 = all batches), got {args.max_batches}")
+        if args.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.seq_len < 0:
+            raise UserError(f"--seq-len must be >= 0 (0 = the run's training.seq_len), got {args.seq_len}")
+        check_output_file(args.output, args.overwrite)  # before the evaluation, not after it
         options = EvalOptions(
             args.data, args.seq_len, args.batch_size, args.max_batches, args.text_field, args.tokenizer, tuple(settings), not args.no_progress
         )
         result = evaluate(args.source, options)
         if rank() == 0:
-            write_result(result, args.output)
+            write_result(result, args.output, args.overwrite)
             shown = {k: result[k] for k in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")}
             print(json.dumps(shown), file=sys.stdout)
             print(f"wrote {args.output}", file=sys.stderr)

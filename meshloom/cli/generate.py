@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from meshloom.checkpoint.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.inference.sampling import SamplingSettings
 
@@ -28,7 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of tokens of this total probability")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (each batch of --prompts adds its index)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (left-padded)")
-    p.add_argument("--output", type=Path, default=None, help="JSONL of --prompts' completions (default: PROMPTS-generations.jsonl beside it)")
+    p.add_argument("--output", type=Path, default=None,
+                   help="JSONL of the completions (default with --prompts: PROMPTS-generations.jsonl beside it; with --prompt: none)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json or tiktoken file instead of the source's own")
     p.add_argument("--no-bos", action="store_true", help="do not start prompts with the tokenizer's BOS token")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
@@ -60,25 +63,29 @@ class TextStream:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch  # noqa: PLC0415 (after argument parsing, so --help answers fast)
-
     from meshloom.checkpoint.hf import parse_dtype  # noqa: PLC0415
     from meshloom.inference import loading  # noqa: PLC0415
     from meshloom.inference.generate import check_prompts, generate, max_context  # noqa: PLC0415
     from meshloom.inference.prompts import read_prompts  # noqa: PLC0415
 
-    settings = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).check()
+    settings = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).check().check_cuts_apply()
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    device, dtype = loading.parse_device(args.device, "--device"), parse_dtype(args.dtype)
     texts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts, "--prompts")
+    output = args.output
+    if output is None and args.prompts is not None:
+        output = args.prompts.with_name(args.prompts.stem + "-generations.jsonl")
+    if output is not None:  # before any heavy work: a bad path fails now, not after the generation
+        inputs = (("the --prompts file", args.prompts),) if args.prompts is not None else ()
+        check_output_file(output, args.overwrite, inputs)
     source = loading.resolve(args.source)
     tokenizer = loading.load_tokenizer(source, args.tokenizer)
     bos = [] if args.no_bos else [tokenizer.bos_id]
     prompts = [bos + tokenizer.encode(text) for text in texts]
     _, model_args = loading.model_args(source)
     check_prompts(prompts, args.max_new_tokens, model_args.max_seq_len)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
-    model = loading.load_model(source, device, parse_dtype(args.dtype))
+    model = loading.load_model(source, device, dtype)
     assert max_context(model) == model_args.max_seq_len
     print(f"loaded {source.describe()} on {device}", file=sys.stderr)
     stop = [tokenizer.eos_id]
@@ -87,22 +94,24 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
         result = generate(model, prompts, args.max_new_tokens, settings, stop, on_tokens=lambda ids: int(ids[0]) in stop or stream.add(int(ids[0])))
         stream.finish()
-        _report([result])
-        return 0
-    output = args.output or args.prompts.with_name(args.prompts.stem + "-generations.jsonl")
-    results = []
-    with open(output, "w", encoding="utf-8") as f:
+        results = [result]
+    else:
+        results = []
         for start in range(0, len(prompts), args.batch_size):
             batch_settings = dataclasses.replace(settings, seed=settings.seed + start // args.batch_size)
-            result = generate(model, prompts[start : start + args.batch_size], args.max_new_tokens, batch_settings, stop)
+            results.append(generate(model, prompts[start : start + args.batch_size], args.max_new_tokens, batch_settings, stop))
+    if output is not None:
+        lines = []
+        for result in results:
             for i, tokens in enumerate(result.tokens):
+                n = len(lines)
                 record = {
-                    "prompt": texts[start + i], "completion": tokenizer.decode(tokens), "prompt_tokens": len(prompts[start + i]),
+                    "prompt": texts[n], "completion": tokenizer.decode(tokens), "prompt_tokens": len(prompts[n]),
                     "completion_tokens": len(tokens), "finish": "stop" if result.stopped[i] else "length",
                 }  # fmt: skip
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            results.append(result)
-    print(f"wrote {len(prompts)} completions to {output}", file=sys.stderr)
+                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+        write_output_file(output, "".join(lines), args.overwrite)
+        print(f"wrote {len(lines)} completions to {output}", file=sys.stderr)
     _report(results)
     return 0
 

@@ -44,6 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         prepare(options, data, tokenizer)
     except UserError as err:
-        print(f"meshloom prepare: error: {err}", file=sys.stderr)
+        print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from meshloom.checkpoint.output import check_output_file, staged_file
 from meshloom.config.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -104,12 +105,12 @@ def _labels(run_dirs: list[Path]) -> list[str]:
     return [str(p) for p in run_dirs]
 
 
-def write_report(run_dirs: list[Path], out: Path | None) -> Path:
+def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False) -> Path:
     """Write a loss-vs-step PNG (one curve per run, validation loss dashed if logged, resumes and restarts as
     dotted vertical lines), with the data mixture over the steps beside it when the runs logged one.
 
     Default output: RUN_DIR/loss.png for one run, or loss_comparison.png next to the first run
-    directory when comparing several.
+    directory when comparing several. An existing file is replaced only with `overwrite`.
     """
     run_dirs = [Path(p) for p in run_dirs]
     if not run_dirs:
@@ -126,7 +127,7 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
     if out is None:
         out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(out, overwrite)
 
     # A run that mixes shard sources gets a second panel: each source's share of the samples over the steps.
     with_mixture = any(mixtures)
@@ -159,7 +160,8 @@ def write_report(run_dirs: list[Path], out: Path | None) -> Path:
         mix_ax.grid(True, alpha=0.3)
         mix_ax.legend()
     fig.tight_layout()
-    fig.savefig(out, format="png")
+    with staged_file(out, overwrite) as tmp:
+        fig.savefig(tmp, format="png")
     return out
 
 
@@ -168,14 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshloom report", description="Plot loss vs step for training runs.")
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run folder containing metrics.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="output PNG path")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing PNG")
     args = parser.parse_args(argv)
     try:
-        path = write_report(args.run_dirs, args.out)
+        path = write_report(args.run_dirs, args.out, args.overwrite)
     except UserError as e:
-        print(f"meshloom report: error: {e}", file=sys.stderr)
+        print(f"meshloom: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. --out in a folder that cannot be written
-        print(f"meshloom report: error: cannot write {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        print(f"meshloom: error: cannot write {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     for label, run_dir in zip(_labels(args.run_dirs), args.run_dirs):
         for event in load_events(run_dir):

@@ -10,10 +10,10 @@ corpus) with data.vocab_size ids, or read from data.cache_dir when a run has alr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from meshloom.checkpoint.output import check_output_file
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.loader import load_config, split_config_args
 from meshloom.config.schema import DataConfig
@@ -31,12 +31,9 @@ def save_tokenizer(data_config: DataConfig, output: Path, overwrite: bool = Fals
     output = Path(output)
     if output.is_dir():
         output = output / "tokenizer.json"
-    if output.exists() and not overwrite:
-        raise ConfigError(f"{output} exists; pass --overwrite to replace it, or choose another --output")
+    check_output_file(output, overwrite)
     if not output.parent.is_dir():
         raise ConfigError(f"folder {output.parent} does not exist; create it or choose another --output")
-    if not os.access(output.parent, os.W_OK):
-        raise ConfigError(f"folder {output.parent} is not writable; choose another --output")
     tokenizer = run_tokenizer(data_config)
     assert isinstance(tokenizer, HFTokenizer), "the built-in tokenizer is a tokenizers BPE"
     atomic_write_bytes(output, tokenizer.to_json().encode("utf-8"))
@@ -61,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = save_tokenizer(load_config(config_args).data, args.output, args.overwrite)
     except UserError as err:
-        print(f"meshloom tokenizer: error: {err}", file=sys.stderr)
+        print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {path}; use it with --data.tokenizer {path}")
     return 0

@@ -34,6 +34,14 @@ def interrupted_message(config: Config | None, step: int | None, argv: list[str]
     return f"meshloom: interrupted{where}; latest complete checkpoint: {complete[-1].path} (step {complete[-1].step}); resume with: {command}"
 
 
+def on_interrupt(config: Config | None, trainer, argv: list[str]) -> None:
+    """Ctrl-C: a background checkpoint save in flight is finished first (the README promises that), then one line."""
+    if trainer is not None:
+        trainer.checkpointer.finish_on_interrupt()
+    if rank() == 0:
+        print(interrupted_message(config, trainer.step if trainer is not None else None, argv), file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     code = 0
@@ -50,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config)
         trainer.train()
     except KeyboardInterrupt:
-        if rank() == 0:
-            print(interrupted_message(config, trainer.step if trainer is not None else None, argv), file=sys.stderr, flush=True)
+        on_interrupt(config, trainer, argv)
         # A collective may have been cut off mid-way: leave without the process group's teardown.
         os._exit(130)
     except UserError as err:  # user mistakes (ConfigError included) name the setting and the fix; bugs keep their trace

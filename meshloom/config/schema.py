@@ -46,6 +46,10 @@ class ModelConfig:
     n_layers: int = 0
     """Number of transformer blocks, overriding the flavour's; 0 keeps the flavour's value."""
 
+    mtp_depth: int = -1
+    """Multi-token prediction modules (families that have them, e.g. deepseek_v3), overriding the flavour's;
+    0 = none, -1 keeps the flavour's value."""
+
 
 @dataclass
 class TrainingConfig:

@@ -15,9 +15,11 @@ a rerun with the same inputs and settings keeps the shards that are intact (thei
 from __future__ import annotations
 
 import copy
+import contextlib
 import hashlib
 import json
 import multiprocessing
+import shutil
 import sys
 import time
 from collections import deque
@@ -213,7 +215,7 @@ def prepare(options: PrepareOptions, data: DataConfig, tokenizer: Tokenizer) -> 
         raise UserError(f"prepare: --shard-tokens must be at least 3 (bos + a token + eos), got {options.shard_tokens}")
     if options.workers < 1:
         raise UserError(f"prepare: --workers must be >= 1, got {options.workers}")
-    policy = BadInputPolicy(data.bad_input)
+    BadInputPolicy(data.bad_input)  # a bad data.bad_input fails before any folder is made
     dtype_name = token_dtype(tokenizer.vocab_size).name if options.dtype == "auto" else options.dtype
     dtype = TOKEN_DTYPES[dtype_name]
     if tokenizer.vocab_size > np.iinfo(dtype).max + 1:
@@ -229,7 +231,33 @@ def prepare(options: PrepareOptions, data: DataConfig, tokenizer: Tokenizer) -> 
         "split": options.split,
     }
     folder = Path(options.output)
-    folder.mkdir(parents=True, exist_ok=True)
+    made = [d for d in (folder, *folder.parents) if not d.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"prepare: cannot create --output {folder}: {err.strerror or err}; choose another folder") from None
+    try:
+        return _prepare_into(folder, options, settings, sources, data, tokenizer, dtype, started)
+    except BaseException:
+        # A folder this run made and finished no shard in holds nothing to resume: leave no trace of it.
+        if made and not _finished_shards(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            for parent in made[1:]:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # only while empty
+        raise
+
+
+def _finished_shards(folder: Path) -> bool:
+    state = folder / STATE_FILE
+    return state.is_file() and bool(json.loads(state.read_text()).get("shards"))
+
+
+def _prepare_into(
+    folder: Path, options: PrepareOptions, settings: dict[str, Any], sources: list, data: DataConfig, tokenizer: Tokenizer,
+    dtype: np.dtype, started: float,
+) -> dict[str, Any] | None:
+    policy = BadInputPolicy(data.bad_input)
     entries, complete = _resume_state(folder, settings, dtype, options.verify)
     if complete:
         print(f"prepare: {folder} is already complete ({len(entries)} shards)")

@@ -57,6 +57,22 @@ def _is_run_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("job"), dict) and isinstance(config.get("model"), dict)
 
 
+def parse_device(name: str | None, setting: str) -> torch.device:
+    """auto (CUDA when present), cpu or cuda[:N] as a device; UserError naming `setting` when this torch cannot use it."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"{setting} {name!r} is not a device; use auto, cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"{setting} {name!r} is not supported; use auto, cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "has no CUDA support" if torch.version.cuda is None else "sees no GPU"
+        raise UserError(f"{setting} {name}: this torch ({torch.__version__}) {why}; use cpu (or auto)")
+    return device
+
+
 def resolve(path: str | Path) -> InferenceSource:
     """Classify RUN_DIR | CHECKPOINT | HF_FOLDER; ValueError naming what is missing."""
     path = Path(path)

@@ -29,6 +29,16 @@ class SamplingSettings:
             raise UserError(f"{names['top_p']} must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
         return self
 
+    def check_cuts_apply(self, names: dict[str, str] = CLI_NAMES) -> SamplingSettings:
+        """Raise UserError when a top-k or top-p cut is set but greedy decoding (temperature 0) ignores it."""
+        if self.greedy and (self.top_k > 0 or self.top_p < 1):
+            cut = names["top_k"] if self.top_k > 0 else names["top_p"]
+            raise UserError(
+                f"{cut} only cuts a sampled distribution, but {names['temperature']} is 0 (greedy); "
+                f"set {names['temperature']} above 0 (e.g. 0.8) to sample, or drop {cut}"
+            )
+        return self
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -51,7 +61,7 @@ def check_sampling_settings(validation) -> None:
     if not v.prompts:
         return
     try:
-        SamplingSettings(v.temperature, v.top_k, v.top_p, v.sample_seed).check(VALIDATION_NAMES)
+        SamplingSettings(v.temperature, v.top_k, v.top_p, v.sample_seed).check(VALIDATION_NAMES).check_cuts_apply(VALIDATION_NAMES)
     except UserError as err:
         raise ConfigError(str(err)) from None
     if v.max_new_tokens < 1:

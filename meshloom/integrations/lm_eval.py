@@ -30,6 +30,9 @@ from meshloom.inference import loading
 from meshloom.inference.generate import generate
 from meshloom.inference.sampling import SamplingSettings
 
+MODEL_ARGS = ("path", "device", "dtype", "batch_size", "tokenizer", "add_bos_token", "max_length", "max_gen_toks")
+# Keys lm_eval's own command line adds to every model's arguments.
+PASSED_BY_LM_EVAL = {"max_batch_size"}
 GEN_KWARG_NAMES = {"temperature": "gen_kwargs temperature", "top_k": "gen_kwargs top_k", "top_p": "gen_kwargs top_p"}
 
 
@@ -52,14 +55,19 @@ class MeshloomLM(TemplateLM):
         **unused: Any,
     ) -> None:
         super().__init__()
+        unknown = sorted(set(unused) - PASSED_BY_LM_EVAL)
+        if unknown:
+            raise UserError(
+                f"unknown --model_args key {unknown[0]!r} for --model meshloom; its keys are: {', '.join(MODEL_ARGS)}"
+                + (" (path= takes the place of hf's pretrained=)" if unknown[0] == "pretrained" else "")
+            )
         if not path:
             raise UserError("--model_args needs path=RUN_DIR|CHECKPOINT|HF_FOLDER for --model meshloom")
+        self._device = loading.parse_device(device, "--model_args device=")
+        model_dtype = parse_dtype(dtype)
         source = loading.resolve(path)
         self.meshloom_tokenizer = loading.load_tokenizer(source, tokenizer)
-        if device in (None, "auto"):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._device = torch.device(device)
-        self.model = loading.load_model(source, self._device, parse_dtype(dtype))
+        self.model = loading.load_model(source, self._device, model_dtype)
         self.batch_size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
         self.add_bos_token = _flag(add_bos_token)
         self.max_length = int(max_length) if max_length else int(self.model.args.max_seq_len)

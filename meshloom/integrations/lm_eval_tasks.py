@@ -75,14 +75,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--include_path", default=None)
     parser.add_argument("--tasks", nargs="*", default=[])
     known, _ = parser.parse_known_args(argv)
-    if known.include_path:
-        tasks = [t for item in known.tasks for t in item.split(",") if t]
-        try:
+    try:
+        if known.include_path:
+            tasks = [t for item in known.tasks for t in item.split(",") if t]
             for folder in known.include_path.split(":"):
+                if not Path(folder).is_dir():
+                    raise UserError(f"--include_path {folder} is not a folder; give the folder that holds your task YAML files")
                 check_task_files(folder, tasks)
+        sys.argv = ["lm_eval", *argv]
+        try:
+            cli_evaluate()
         except ValueError as err:
-            print(f"meshloom: error: {err}", file=sys.stderr)
-            return 2
-    sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+            if not str(err).startswith("Tasks not found"):
+                raise
+            raise UserError(
+                f"{err}; `lm_eval ls tasks` lists lm_eval's own tasks, and --include_path FOLDER adds those defined in your YAML files"
+            ) from None
+    except UserError as err:
+        print(f"meshloom: error: {err}", file=sys.stderr)
+        return 2
     return 0

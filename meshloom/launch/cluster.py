@@ -60,7 +60,7 @@ def check_node_count(config: Config, nodes: int, gpus_per_node: int) -> None:
         return
     fits = [n for n in range(1, max(nodes, unit) * 2 + 1) if ((n * gpus_per_node) % unit == 0 if any_multiple else n * gpus_per_node == unit)]
     need = f"a multiple of {unit} ranks" if any_multiple else f"exactly {unit} ranks (parallelism.resize = none, dp_shard set)"
-    hint = f"choose --nodes from {fits[:6]}" if fits else f"change the degrees or --gpus-per-node"
+    hint = f"choose --nodes from {fits[:6]}" if fits else "change the degrees or --gpus-per-node"
     raise UserError(
         f"--nodes {nodes} x --gpus-per-node {gpus_per_node} = {ranks} ranks do not fit the recipe's layout, which needs "
         f"{need}; {hint}"

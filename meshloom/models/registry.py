@@ -8,7 +8,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from meshloom.config.errors import UserError
+from meshloom.config.errors import ConfigError, UserError
 from meshloom.models.spec import ModelSpec
 
 MODEL_REGISTRY: dict[str, ModelSpec] = {}
@@ -19,7 +19,7 @@ def register_model(spec: ModelSpec) -> None:
     MODEL_REGISTRY[spec.name] = spec
 
 
-def _unknown(setting: str, value: str, choices: list[str], context: str = "") -> ValueError:
+def _unknown(setting: str, value: str, choices: list[str], context: str = "") -> ConfigError:
     message = f"unknown {setting} {value!r}{context}; choices: {', '.join(choices)}"
     close = difflib.get_close_matches(value, choices, n=1)
     if not close:  # also catch case-only mistakes such as "8b"
@@ -27,7 +27,7 @@ def _unknown(setting: str, value: str, choices: list[str], context: str = "") ->
         close = [lowered[value.lower()]] if value.lower() in lowered else []
     if close:
         message += f". Did you mean {close[0]!r}?"
-    return ValueError(message)
+    return ConfigError(message)
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -48,7 +48,17 @@ def configured_model_args(model: Any) -> Any:
     """The args a `[model]` config section describes: its flavour's, with n_layers overridden when set."""
     import_plugin(model.plugin)
     args = get_model_args(model.name, model.flavor)
-    return dataclasses.replace(args, n_layers=model.n_layers) if model.n_layers else args
+    if model.n_layers:
+        args = dataclasses.replace(args, n_layers=model.n_layers)
+    if model.mtp_depth >= 0:
+        if not hasattr(args, "mtp_depth"):
+            if model.mtp_depth == 0:
+                return args
+            raise ConfigError(f"model.mtp_depth: the {model.name} family has no multi-token prediction; leave it at -1")
+        args = dataclasses.replace(args, mtp_depth=model.mtp_depth)
+    elif model.mtp_depth != -1:
+        raise ConfigError(f"model.mtp_depth must be >= 0 (or -1 = the flavour's), got {model.mtp_depth}")
+    return args
 
 
 def spec_for_hf_config(config: Mapping[str, Any], where: str) -> ModelSpec:

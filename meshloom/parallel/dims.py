@@ -66,11 +66,14 @@ class ParallelDims:
             dp_shard = world_size // others
         product = others * dp_shard
         if product != world_size:
-            hint = (
-                f"launch {product} ranks (NPROC={product})"
-                if product > world_size
-                else f"set parallelism.dp_shard = -1 to use the {world_size // others} ranks left over"
-            )
+            if product > world_size:
+                hint = f"launch {product} ranks (NPROC={product})"
+            elif world_size % others == 0:
+                hint = (f"set parallelism.dp_shard = -1 (here {world_size // others}) to use all {world_size} ranks, "
+                        f"or launch {product} ranks")  # fmt: skip
+            else:
+                hint = (f"launch {product} ranks (NPROC={product}); dp_shard = -1 cannot fill {world_size} ranks, as "
+                        f"dp_replicate x tp x pp x cp = {others} does not divide {world_size}")  # fmt: skip
             raise ConfigError(
                 f"parallelism degrees dp_replicate={config.dp_replicate} x dp_shard={dp_shard} x tp={config.tp} x "
                 f"pp={config.pp} x cp={config.cp} = {product}, but the world size is {world_size}; {hint}"

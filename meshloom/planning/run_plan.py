@@ -21,6 +21,7 @@ from meshloom.inference.sampling import check_sampling_settings
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
+from meshloom.planning.effective_settings import check_settings_take_effect
 from meshloom.parallel.activation_checkpoint import check_activation_checkpoint_config
 from meshloom.parallel.compile import check_compile_config
 from meshloom.parallel.dims import ParallelDims
@@ -74,6 +75,7 @@ class RunPlan:
         check_context_parallel(config, dims)
         check_moe_settings(shape, config, dims)
         spec.check_layout(args, config, dims)
+        check_settings_take_effect(config, shape.n_experts)
         pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
         check_fault_tolerance(config, dims.dp_replicate, dims.pp)
         # Replica groups (fault_tolerance) share each global batch like data-parallel ranks.

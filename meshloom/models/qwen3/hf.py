@@ -201,7 +201,10 @@ class Qwen3HFAdapter(NameMapAdapter):
             raise UserError(
                 f"cannot export to Hugging Face Qwen3-MoE: {len(biased)} MoE layers (first {biased[0]}) route with a "
                 "non-zero load-balancing bias (moe.bias_update_rate > 0 during training), which Qwen3MoeForCausalLM "
-                "has no place for, so transformers would send tokens to other experts than meshloom does"
+                "has no place for, so transformers would send tokens to other experts than meshloom does (the bias "
+                "only picks experts, so it cannot be folded into weights); train models to export with "
+                "--moe.bias_update_rate 0 (Qwen3's own balancing is --moe.aux_loss_coef 1e-3), or use this one through "
+                "meshloom's format (generate, eval, lm-eval, export)"
             )
 
 
