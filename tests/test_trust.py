@@ -240,7 +240,7 @@ def test_lm_eval_mistakes_are_one_line(run_dir: Path, tmp_path: Path, capsys) ->
         (["--model_args", f"path={tmp_path / 'nowhere'}"], "nowhere not found; give a run folder"),
         (["--model_args", f"pathh={run_dir}"], "unknown --model_args key 'pathh' for --model meshloom; its keys are: path,"),
         (["--model_args", f"path={run_dir},dtype=float16"], "unknown dtype 'float16'; choose bfloat16 or float32"),
-        (["--model_args", f"path={run_dir},device=cudaa"], "--model_args device= 'cudaa' is not a device"),
+        (["--model_args", f"path={run_dir}", "--device", "cudaa"], "--device 'cudaa' is not a device"),
         (["--model_args", f"path={run_dir}", "--include_path", str(tmp_path / "tasks")], f"--include_path {tmp_path / 'tasks'} is not a folder"),
     ]
     for args, fragment in cases:

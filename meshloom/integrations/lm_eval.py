@@ -63,7 +63,7 @@ class MeshloomLM(TemplateLM):
             )
         if not path:
             raise UserError("--model_args needs path=RUN_DIR|CHECKPOINT|HF_FOLDER for --model meshloom")
-        self._device = loading.parse_device(device, "--model_args device=")
+        self._device = loading.parse_device(device, "--device")
         model_dtype = parse_dtype(dtype)
         source = loading.resolve(path)
         self.meshloom_tokenizer = loading.load_tokenizer(source, tokenizer)

@@ -82,6 +82,8 @@ def main(argv: list[str]) -> int:
                 if not Path(folder).is_dir():
                     raise UserError(f"--include_path {folder} is not a folder; give the folder that holds your task YAML files")
                 check_task_files(folder, tasks)
+        if not any(a == "--device" or a.startswith("--device=") for a in argv):
+            argv = [*argv, "--device", "auto"]  # lm_eval's own default, cuda:0, fails on a machine without a GPU
         sys.argv = ["lm_eval", *argv]
         try:
             cli_evaluate()
