@@ -64,8 +64,8 @@ class StepResult:
     skipped: bool
     sample_ids: list[int]
     rolled_back_from: int | None = None  # nonfinite = rollback: the failed step; training continues from the reloaded one
-    retried: bool = False  # fault tolerance: a replica group failed during the step, which runs again
     aux: dict[str, float] = field(default_factory=dict)  # the model's own auxiliary losses (ModelSpec.aux_losses), unweighted
+    retried: bool = False  # fault tolerance: a replica group failed during the step, which runs again
 
 
 class Trainer:
@@ -279,7 +279,7 @@ class Trainer:
             self.lr_scheduler.step()
         self.moe.after_step(updated=not skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_value, grad_norm, lr, skipped, sample_ids, failed_step, aux)
+        return StepResult(loss_value, grad_norm, lr, skipped, sample_ids, failed_step, aux=aux)
 
     @torch.no_grad()
     def validate(self) -> float | None:
