@@ -239,10 +239,10 @@ def test_dry_run_of_235b_a22b_with_ep_8_on_256_ranks(capsys) -> None:
     # the embedding; without ep its experts would be sharded 8 ways too, so the shards are about as large.
     assert 0.8 < built * 2**30 / (4 * 235.09e9 / 8 / 8) < 1.3
     ep = float(re.search(r"\n\s+ep\s+([\d.]+) GiB", report).group(1))
-    # All-to-all of the first stage (11 blocks, as busy as a middle stage's 12 without the embedding): 8 microbatches
-    # x 11 MoE blocks x 6 exchanges (forward, backward, recomputed forward) x 7/8 of 4096 tokens x 4096 fp32 values x
-    # top 8 leave this rank.
-    assert ep == pytest.approx(8 * 11 * 6 * 7 / 8 * 4096 * 4096 * 4 * 8 / 2**30, rel=0.01)
+    # All-to-all of the busiest stage (a middle stage's 12 blocks; the first holds 11 and the embedding): 8
+    # microbatches x 12 MoE blocks x 6 exchanges (forward, backward, recomputed forward) x 7/8 of 4096 tokens x 4096
+    # fp32 values x top 8 leave one rank.
+    assert ep == pytest.approx(8 * 12 * 6 * 7 / 8 * 4096 * 4096 * 4 * 8 / 2**30, rel=0.01)
 
 
 def test_memory_estimate_matches_a_measured_expert_parallel_run(tmp_path) -> None:

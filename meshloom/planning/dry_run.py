@@ -50,7 +50,7 @@ class DryRunReport:
             f"  transient                  {m.transient / GIB:10.2f} GiB",
             f"  peak                       {m.peak / GIB:10.2f} GiB (busiest pipeline stage)",
             f"  FLOPs per step             {self.model_flops:10.3e} model, {self.executed_flops:.3e} executed",
-            "  communication per step (bytes sent by this rank):",
+            "  communication per step (bytes one rank sends; the busiest pipeline stage in each dimension):",
         ]
         lines += [f"    {dim:<13} {self.comm_bytes[dim] / GIB:10.2f} GiB" for dim in COMM_DIMS]
         return "\n".join(lines)
