@@ -9,11 +9,13 @@ The estimates and the search are `meshloom.planning.planner`'s; this is the comm
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from meshloom.checkpoint.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.planning.layout import AC_MODES
 from meshloom.planning.memory_estimate import OPTIMIZERS
@@ -59,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
         if not 0 < opts.mfu <= 1 or not 0 < opts.headroom <= 1:
             raise UserError("--mfu and --headroom must lie in (0, 1]")
-        if opts.output is not None and opts.output.exists() and not opts.overwrite:
-            raise UserError(f"--output {opts.output} exists; pass --overwrite to replace it or choose another path")
+        if opts.output is not None:
+            check_output_file(opts.output, opts.overwrite)  # before the search
         space = SearchSpace(
             _choices(opts.ac, AC_MODES, "--ac"),
             _choices(opts.optimizers, OPTIMIZERS, "--optimizers"),
@@ -80,10 +82,18 @@ def main(argv: list[str] | None = None) -> int:
         f"(searched in {time.perf_counter() - start:.1f} s); fastest first"
     )
     print(format_table(candidates, opts.top))
+    tp_max = math.gcd(opts.gpus, opts.gpus_per_node)
+    if tp_max < min(opts.gpus, opts.gpus_per_node):
+        print(f"note: every layout uses all {opts.gpus} GPUs, so tensor parallel is limited to degrees dividing both "
+              f"{opts.gpus} and --gpus-per-node {opts.gpus_per_node} (at most {tp_max}); a GPU count that divides a node "
+              "allows more")
     if opts.output is not None:
         command = "meshloom plan " + shlex.join(a for a in argv if a != "--overwrite")
         note = recipe_note(candidates[0], opts.gpus, command)
-        opts.output.parent.mkdir(parents=True, exist_ok=True)
-        opts.output.write_text(layout_toml(opts.model, opts.flavor, candidates[0].layout, opts.seq_len, note))
+        try:
+            write_output_file(opts.output, layout_toml(opts.model, opts.flavor, candidates[0].layout, opts.seq_len, note), opts.overwrite)
+        except UserError as err:
+            print(f"meshloom: error: {err}", file=sys.stderr)
+            return 2
         print(f"wrote {opts.output}")
     return 0
