@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshloom.checkpoint.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.parallel.dims import DEGREE_NAMES
 
@@ -77,8 +78,7 @@ def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
     output = None
     if opts.scheduler != "ray":
         output = opts.output or Path(f"{opts.name}.{'sbatch' if opts.scheduler == 'slurm' else 'yaml'}")
-        if output.exists() and not opts.overwrite:
-            raise UserError(f"--output {output} exists; choose another file or pass --overwrite to replace it")
+        check_output_file(output, opts.overwrite)  # before anything is checked or built
 
     from meshloom.config.loader import load_config
     from meshloom.launch.cluster import ClusterShape, check_cluster
@@ -114,7 +114,7 @@ def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
         validate(manifest)
         text = f"# layout: {layouts}\n" + yaml.safe_dump(manifest, sort_keys=False)
         submit = f"kubectl apply -f {output}"
-    output.write_text(text)
+    write_output_file(output, text, opts.overwrite)
     print(f"meshloom launch {opts.scheduler}: {layouts}\nwrote {output}; submit with: {submit}")
     return 0
 
