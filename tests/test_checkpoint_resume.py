@@ -2,7 +2,7 @@
 
 Every run is deterministic fp32 training of the `tiny` model on CPU (gloo). A "stop" run saves at step 5
 and ends there; its "resume" run continues to step 10 from the run folder. Multi-rank runs share one
-torchrun launch per world size.
+launch per world size.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 async TP.
 
 Compiling is slow on small CPUs (a tiny block takes ~15-20 s cold, ~3 s from inductor's on-disk cache), so
-single-process cases share one process and the multi-rank cases share one torchrun launch.
+single-process cases share one process and the multi-rank cases share one launch.
 """
 
 import pytest

@@ -6,7 +6,7 @@ covered: Llama 3 and Qwen3 (grouped-query attention, Qwen3's MoE under expert pa
 v head size differs from q/k's, and multi-token prediction, whose labels cross shards). Layouts: CP 2, CP 4,
 CP 2 x TP 2, CP 2 x PP 2 and CP 2 x EP 2, some with head-tail balancing and some with the document-aware one
 (parallelism.cp_document_balance), whose layout changes every batch. All cases of one world size share one
-torchrun launch (testing/resume_parity.py): one launch of 4 ranks and one of 2.
+launch (testing/resume_parity.py): one launch of 4 ranks and one of 2.
 """
 
 from __future__ import annotations

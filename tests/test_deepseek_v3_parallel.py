@@ -1,7 +1,7 @@
 """DeepSeek-V3 under parallel layouts: the dry runs (tiny, and 671B on 1,024 ranks with EP 8) against the estimator,
 the tensor and expert parallel plans of the MoE blocks, the estimator against the memory tracker on `debug`, and loss
 parity against one process (fp32, 10 steps, 1e-5) with multi-token prediction, MoE blocks and bias balancing on, for
-FSDP, EP, TP (with full activation checkpointing), CP and PP (1F1B and ZBVZeroBubble), all in one torchrun launch of
+FSDP, EP, TP (with full activation checkpointing), CP and PP (1F1B and ZBVZeroBubble), all in one launch of
 2 ranks. FSDP 2 x EP 2 x TP 2 (4 ranks) rides on tests/test_expert_parallel.py's 4-rank launch."""
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ LAYOUTS = [
 
 
 def test_multi_rank_parity_with_mtp_and_moe(tmp_path, data_cache):
-    """Every layout in one torchrun launch of 2 ranks, each compared with one 1-process reference: per-step losses,
+    """Every layout in one launch of 2 ranks, each compared with one 1-process reference: per-step losses,
     per-step multi-token-prediction losses and the last gradient norm."""
     os.environ.pop("WORLD_SIZE", None)
     (tmp_path / "cache").symlink_to(data_cache)

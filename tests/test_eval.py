@@ -1,20 +1,17 @@
 """`meshloom eval`: loss / perplexity / bits per byte against transformers, every data kind, FSDP 2, TP 2 and PP 2
-against one process (one torchrun launch), and its errors. Run as a script under torchrun it is that launch's worker."""
+against one process (one 2-rank launch, testing/ranks.py), and its errors."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["def add(a, b):\n    return a + b\n" * 6, "hello world, the quick brown fox jumps", "x = [i * i for i in range(10)]\n" * 4]
 
 
@@ -31,14 +28,12 @@ def _worker(cases_file: Path, out_file: Path) -> None:
     shutdown_and_exit(0)
 
 
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), Path(sys.argv[2]))
-
 from hf_fixtures import llama_config, save_random_llama  # noqa: E402 (the worker above needs no transformers)
 
+from meshloom.cli.evaluate import main as eval_main  # noqa: E402
 from meshloom.config.loader import load_config  # noqa: E402
 from meshloom.eval.runner import EvalOptions, evaluate  # noqa: E402
-from meshloom.cli.evaluate import main as eval_main  # noqa: E402
+from meshloom.testing.ranks import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +113,7 @@ def test_fsdp_tp_and_pp_give_the_one_process_numbers(workdir: Path, tmp_path: Pa
     for case in cases.values():
         case.update(data=[docs], seq_len=16, batch_size=2)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           str(tmp_path / "cases.json"), str(tmp_path / "out.json")]  # fmt: skip
-    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, cwd=REPO, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_ranks(_worker, 2, tmp_path / "cases.json", tmp_path / "out.json")
     results = json.loads((tmp_path / "out.json").read_text())
     for name, case in cases.items():
         alone = evaluate(case["source"], EvalOptions([docs], 16, 2, progress=False))

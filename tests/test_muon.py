@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from meshloom.config import ConfigError, OptimizerConfig, load_config
 from meshloom.config.errors import UserError
 from meshloom.config.schema import LRSchedulerConfig
+from meshloom.testing.ranks import run_ranks
 from meshloom.train.lr import build_lr_scheduler, lr_factor
 from meshloom.train.muon import MuonAdamW, muon_param_groups, optimizer_state_elements, parameter_kinds
 from meshloom.train.optim import build_optimizer
@@ -350,14 +350,18 @@ def test_muon_config_loads():
 
 
 # ---------------------------------------------------------------------------
-# Several processes (gloo): one torchrun launch of 2 ranks and one of 4, each running several layouts
+# Several processes (gloo): one launch of 2 ranks and one of 4 (testing/ranks.py), each running several layouts
 # ---------------------------------------------------------------------------
 
 CASES = {2: ["fsdp2", "tp2", "ep2"], 4: ["fsdp4", "fsdp2_tp2", "hsdp2x2", "ep2_fsdp2"]}
 
 
 def _tensor_parallel(block: Block, mesh) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     parallelize_module(block, mesh, {"attn": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
 
@@ -466,16 +470,11 @@ def worker(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[int, tuple[Path, dict]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    env.pop("WORLD_SIZE", None)
     out = {}
     for world in (2, 4):
         folder = tmp_path_factory.mktemp(f"muon{world}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               __file__, "--worker", str(folder)]  # fmt: skip
         start = time.perf_counter()
-        proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        run_ranks(worker, world, folder)
         results = json.loads((folder / "results.json").read_text())
         results["launch_seconds"] = time.perf_counter() - start
         out[world] = (folder, results)
@@ -528,7 +527,3 @@ def test_checkpoint_round_trip_and_reshard_to_one_process(launches, reference):
     continued = torch.load(folder / "dcp_continued.pt", weights_only=True)
     assert max_difference(resumed, continued) <= TOLERANCE
     assert max_difference(resumed, reference_params(8)) <= TOLERANCE
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    worker(Path(sys.argv[2]))

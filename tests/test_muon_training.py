@@ -2,8 +2,8 @@
 and resharding, and the memory estimate of Muon's state against the real optimizer's.
 
 All runs are fp32 training of the `tiny` model (the parity harness's settings) with optimizer.name = Muon. The layouts
-of one world size share one torchrun launch: 2 ranks (parity and QK-clip cases), 4 ranks, and 2 ranks for the resume
-cases. The mixture-of-experts cases (Qwen3 `tiny_moe`: 2 blocks, dim 64, 8 experts of which each token takes 2, bias
+of one world size share one launch (testing/ranks.py): 2 ranks (parity and QK-clip cases), 4 ranks, and 2 ranks for
+the resume cases. The mixture-of-experts cases (Qwen3 `tiny_moe`: 2 blocks, dim 64, 8 experts of which each token takes 2, bias
 balancing and both balance losses on) run FSDP 2 and EP 2 inside the 2-rank parity launch, against their own
 1-process reference, with the default Newton-Schulz dtype (optimizer.muon_ns_dtype = "auto": fp32 on CPU; see MOE).
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,12 +29,12 @@ from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.run_plan import RunPlan
 from meshloom.testing.layout_parity import FP32_TOLERANCE, Curve, ParityCase, base_overrides, launch as launch_layouts, run_steps
+from meshloom.testing.ranks import run_ranks
 from meshloom.testing.resume_parity import Case, launch, run_case
 from meshloom.train.muon import MuonAdamW, optimizer_state_elements, parameter_kinds
 from meshloom.train.qk_clip import QKClip
 from meshloom.train.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
 
 MUON = "optimizer.name=Muon"
 MUON_LAYOUTS = ["dp_shard=2", "tp=2", "pp=2", "dp_replicate=2,dp_shard=2", "dp_shard=2,tp=2"]
@@ -114,17 +112,13 @@ def clip_runs(tmp_path_factory):
     os.environ.pop("WORLD_SIZE", None)
     reference, trainer = _train(_argv(workdir, "reference", "", TAU))
     no_clip, _ = _train(_argv(workdir, "no_clip", "", 0.0))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     curves = {}
     for world in sorted({ParityCase.parse(layout).world_size for layout in CLIP_LAYOUTS}):
         layouts = [layout for layout in CLIP_LAYOUTS if ParityCase.parse(layout).world_size == world]
         cases = {layout: _argv(workdir, f"run_{i}_{world}", layout, TAU) for i, layout in enumerate(layouts)}
         cases_file, curves_file = workdir / f"cases_{world}.json", workdir / f"curves_{world}.json"
         cases_file.write_text(json.dumps(cases))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), __file__,
-               "--worker", str(cases_file), str(curves_file)]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, check=False)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        run_ranks(_clip_worker, world, cases_file, curves_file)
         curves.update(json.loads(curves_file.read_text()))
     for layout, curve in curves.items():
         print(f"QK-clip {layout:<10} max |dloss| {_max_diff(curve['losses'], reference['losses']):.2e} "
@@ -332,7 +326,3 @@ def test_qk_clip_is_refused_where_it_cannot_work():
               "--parallelism.cp", "2", "--training.seq_len", "64"]  # fmt: skip
         RunPlan.build(load_config(cp), 2)
     RunPlan.build(load_config(["--optimizer.qk_clip_threshold", "50", "--parallelism.tp", "2"]), 2)  # llama3: fine
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _clip_worker(Path(sys.argv[2]), Path(sys.argv[3]))

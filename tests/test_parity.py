@@ -1,6 +1,6 @@
 """Loss parity of every supported layout against one process (fp32: 1e-5; bf16: the bound measured in testing/layout_parity.py).
 
-All layouts run in three torchrun launches (2, 4 and 8 ranks), so the suite pays the start-up cost once per size.
+All layouts run in three launches (2, 4 and 8 ranks; testing/ranks.py), each running every layout of its size in turn.
 """
 
 import math
@@ -9,6 +9,7 @@ import os
 import pytest
 
 from meshloom.testing.layout_parity import BF16_TOLERANCE, FP32_TOLERANCE, compare, plot
+from meshloom.testing.ranks import RanksFailed, run_ranks
 
 LAYOUTS = [
     "dp_shard=2",
@@ -65,3 +66,17 @@ def test_comparison_plot_is_written(parity):
     workdir, reference, comparisons = parity
     out = plot(reference, list(comparisons.values()), workdir / "parity.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fail_on_rank_one(marker: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError(f"rank 1 fails: {marker}")
+    dist.barrier()  # rank 0 waits here until the launcher stops it
+
+
+def test_a_failing_rank_stops_the_launch_with_its_error() -> None:
+    with pytest.raises(RanksFailed, match=r"(?s)_fail_on_rank_one on 2 ranks failed: .*ValueError: rank 1 fails: seen"):
+        run_ranks(_fail_on_rank_one, 2, "seen")

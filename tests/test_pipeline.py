@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stage plans, bad-input errors, per-stage init, and loss parity of every schedule (torchrun, gloo)."""
+"""Pipeline parallelism: stage plans, bad-input errors, per-stage init, and loss parity of every schedule (gloo)."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_sharded_stage_init_is_deterministic_and_differs_between_stages():
     assert not torch.equal(wq(first[0], 0), wq(first[1], 2))
 
 
-# --------------------------------------------------------------------------- parity (torchrun, gloo)
+# --------------------------------------------------------------------------- parity (gloo)
 
 SCHEDULE_NAMES = list(SCHEDULES)
 PP2_LAYOUTS = (
@@ -194,7 +194,7 @@ def parity_dir(tmp_path_factory):
 def test_every_schedule_and_3d_layout_matches_one_process(parity_dir):
     """Per-step losses, the last gradient norm and the held-out loss after 10 steps, against one fp32 process.
 
-    Four layers, so that two stages per rank (and pp=4) fit; one torchrun launch per world size (2, 4 and 8 ranks).
+    Four layers, so that two stages per rank (and pp=4) fit; one launch per world size (2, 4 and 8 ranks).
     """
     reference, comparisons = compare(
         PP2_LAYOUTS + MULTI_D_LAYOUTS, steps=10, workdir=parity_dir, common="model.n_layers=4,validation.enable=true,data.validation_fraction=0.2"

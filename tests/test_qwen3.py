@@ -1,5 +1,5 @@
 """The Qwen3 family, dense and MoE: published sizes, Hugging Face interop, layout checks, training, exact resume,
-the dry run of 235B-A22B, and multi-rank parity (one torchrun launch for every layout)."""
+the dry run of 235B-A22B, and multi-rank parity (one launch for every layout)."""
 
 from __future__ import annotations
 
@@ -257,7 +257,7 @@ CASES_BY_REFERENCE = {"tiny": PARITY_LAYOUTS, "tiny_moe": PARITY_LAYOUTS[:3], "t
 
 
 def test_multi_rank_parity_dense_and_moe(tmp_path, data_cache):
-    """Every layout in one torchrun launch of 2 ranks; each compared with its 1-process reference."""
+    """Every layout in one launch of 2 ranks; each compared with its 1-process reference."""
     os.environ.pop("WORLD_SIZE", None)
     (tmp_path / "cache").symlink_to(data_cache)
     references = {

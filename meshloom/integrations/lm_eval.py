@@ -40,6 +40,22 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
 
+def check_model_args(
+    path: str | None, device: str | None, dtype: str, unused: dict[str, Any]
+) -> tuple[loading.InferenceSource, torch.device, torch.dtype]:
+    """UserError for a bad --model_args or --device; the checks that need no model, so that `meshloom lm-eval` can
+    run them before lm_eval spends its minute indexing every task."""
+    unknown = sorted(set(unused) - PASSED_BY_LM_EVAL)
+    if unknown:
+        raise UserError(
+            f"unknown --model_args key {unknown[0]!r} for --model meshloom; its keys are: {', '.join(MODEL_ARGS)}"
+            + (" (path= takes the place of hf's pretrained=)" if unknown[0] == "pretrained" else "")
+        )
+    if not path:
+        raise UserError("--model_args needs path=RUN_DIR|CHECKPOINT|HF_FOLDER for --model meshloom")
+    return loading.resolve(path), loading.parse_device(device, "--device"), parse_dtype(dtype)
+
+
 @register_model("meshloom")
 class MeshloomLM(TemplateLM):
     def __init__(
@@ -55,17 +71,7 @@ class MeshloomLM(TemplateLM):
         **unused: Any,
     ) -> None:
         super().__init__()
-        unknown = sorted(set(unused) - PASSED_BY_LM_EVAL)
-        if unknown:
-            raise UserError(
-                f"unknown --model_args key {unknown[0]!r} for --model meshloom; its keys are: {', '.join(MODEL_ARGS)}"
-                + (" (path= takes the place of hf's pretrained=)" if unknown[0] == "pretrained" else "")
-            )
-        if not path:
-            raise UserError("--model_args needs path=RUN_DIR|CHECKPOINT|HF_FOLDER for --model meshloom")
-        self._device = loading.parse_device(device, "--device")
-        model_dtype = parse_dtype(dtype)
-        source = loading.resolve(path)
+        source, self._device, model_dtype = check_model_args(path, device, dtype, unused)
         self.meshloom_tokenizer = loading.load_tokenizer(source, tokenizer)
         self.model = loading.load_model(source, self._device, model_dtype)
         self.batch_size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)

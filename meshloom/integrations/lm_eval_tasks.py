@@ -61,6 +61,16 @@ def check_task_files(include_path: str | Path, tasks: list[str] | None = None) -
             raise UserError(f"task {name!r} in {path} names no split to evaluate: set test_split or validation_split")
 
 
+def _check_meshloom_args(model_args: str, device: str) -> None:
+    from lm_eval.utils import simple_parse_args_string  # noqa: PLC0415
+
+    from meshloom.integrations.lm_eval import MODEL_ARGS, check_model_args  # noqa: PLC0415
+
+    args = simple_parse_args_string(model_args) if model_args else {}
+    unknown = {key: value for key, value in args.items() if key not in MODEL_ARGS}
+    check_model_args(args.get("path"), device, str(args.get("dtype", "float32")), unknown)
+
+
 def main(argv: list[str]) -> int:
     """`meshloom lm-eval ARGS`: lm_eval's own command line (same arguments), with the meshloom model registered
     and the task files under --include_path checked first."""
@@ -74,8 +84,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--include_path", default=None)
     parser.add_argument("--tasks", nargs="*", default=[])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--model_args", default="")
+    parser.add_argument("--device", default="auto")
     known, _ = parser.parse_known_args(argv)
     try:
+        if known.model == "meshloom":
+            _check_meshloom_args(known.model_args, known.device)
         if known.include_path:
             tasks = [t for item in known.tasks for t in item.split(",") if t]
             for folder in known.include_path.split(":"):

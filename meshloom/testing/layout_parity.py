@@ -1,9 +1,8 @@
 """Loss parity: a parallel layout must compute what one process computes.
 
 `meshloom parity --layout dp_shard=2,tp=2 ...` trains the `tiny` model for a few steps in one fp32 process
-(the reference), then under each layout with torchrun on gloo, and compares per-step losses and the
-final gradient norm. Layouts that need the same number of ranks share one torchrun launch, because
-each rank pays seconds just to import torch.
+(the reference), then under each layout on gloo ranks (testing/ranks.py), and compares per-step losses and
+the final gradient norm. Layouts that need the same number of ranks share one launch.
 
 Tolerances: fp32 layouts must match to FP32_TOLERANCE (reductions only reorder sums; measured at most 9.5e-7).
 A layout with bf16 in it (`mixed_precision=bf16`, or `fsdp_reduce_dtype=bfloat16`) is compared with the fp32
@@ -17,9 +16,6 @@ meshloom/parallel/float8.py) on top of the bf16 bound.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,6 +25,7 @@ from meshloom.config.errors import UserError
 from meshloom.parallel.dims import DEGREE_NAMES
 from meshloom.parallel.float8 import FLOAT8_LOSS_BOUND_VS_BF16
 from meshloom.planning.layout import Layout
+from meshloom.testing.ranks import run_ranks
 
 FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 5e-3
@@ -118,8 +115,10 @@ class Curve:
     validation: float | None = None
     # Per-step auxiliary losses the model reports itself (e.g. mtp_loss), by name.
     aux: dict[str, list[float]] = field(default_factory=dict)
-    # Per-step count of attention heads QK-clip rescaled (all zero unless optimizer.qk_clip_threshold > 0).
+    # Per-step count of attention heads QK-clip rescaled (all zero unless optimizer.qk_clip_threshold > 0), and of
+    # heads whose largest logit was within rounding of the threshold (clipped or not depending on summation order).
     clipped_heads: list[int] = field(default_factory=list)
+    near_tau_heads: list[int] = field(default_factory=list)
 
 
 def run_steps(argv: list[str]) -> Curve:
@@ -128,24 +127,13 @@ def run_steps(argv: list[str]) -> Curve:
     from meshloom.train.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
-    results, clipped = [], []
+    results, clipped, near = [], [], []
     for _ in range(trainer.config.training.steps):
         results.append(trainer.train_step())
         clipped.append(trainer.qk_clip.clipped_heads)
+        near.append(trainer.qk_clip.near_tau_heads)
     aux = {name: [r.aux[name] for r in results] for name in (results[0].aux if results else {})}
-    return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate(), aux, clipped)
-
-
-def torchrun(module: str, world_size: int, args: list[str]) -> None:
-    """Run `python -m module args` on world_size local gloo ranks (one thread each); raise with the output on failure."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-        "-m", module, *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"launch of {module} on {world_size} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate(), aux, clipped, near)
 
 
 def check_cases(cases: dict[str, list[str]], world_size: int) -> None:
@@ -161,7 +149,7 @@ def check_cases(cases: dict[str, list[str]], world_size: int) -> None:
 
 
 def launch(layouts: list[ParityCase], steps: int, workdir: Path, common: list[str] | None = None) -> dict[str, Curve]:
-    """One torchrun per world size; every layout of that size runs in turn inside it."""
+    """One launch per world size; every layout of that size runs in turn inside it."""
     by_world: dict[int, list[ParityCase]] = defaultdict(list)
     for layout in layouts:
         by_world[layout.world_size].append(layout)
@@ -178,14 +166,14 @@ def launch(layouts: list[ParityCase], steps: int, workdir: Path, common: list[st
         cases_file = workdir / f"cases_{world_size}.json"
         out_file = workdir / f"curves_{world_size}.json"
         cases_file.write_text(json.dumps(cases))
-        torchrun("meshloom.testing.layout_parity", world_size, ["--worker", str(cases_file), str(out_file)])
+        run_ranks(worker, world_size, cases_file, out_file)
         for spec, data in json.loads(out_file.read_text()).items():
             curves[spec] = Curve(**data)
     return curves
 
 
 def worker(cases_file: Path, out_file: Path) -> None:
-    """Runs under torchrun: every case in turn, rank 0 writes the curves."""
+    """One rank of a launch: every case in turn; rank 0 writes the curves."""
     from meshloom.parallel.distributed import rank, shutdown_and_exit
 
     curves = {spec: run_steps(argv).__dict__ for spec, argv in json.loads(cases_file.read_text()).items()}
@@ -250,9 +238,3 @@ def plot(reference: Curve, comparisons: list[Comparison], out: Path) -> Path:
     figure.tight_layout()
     figure.savefig(out, dpi=110)
     return out
-
-
-if __name__ == "__main__":  # a torchrun worker of `compare`
-    if sys.argv[1:2] != ["--worker"]:
-        sys.exit("usage: python -m meshloom.testing.layout_parity --worker CASES.json OUT.json")
-    worker(Path(sys.argv[2]), Path(sys.argv[3]))

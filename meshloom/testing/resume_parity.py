@@ -3,18 +3,18 @@
 A case is a deterministic fp32 run of the `tiny` model (the parity harness's settings) under one layout.
 It may stop right after the save at `stop_after` (as a job killed after a checkpoint would) and may
 resume from its run folder. Each case reports its per-step losses and the dataset sample ids all ranks
-consumed at each step. Cases of the same world size run in turn inside one torchrun launch.
+consumed at each step. Cases of the same world size run in turn inside one launch (testing/ranks.py).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshloom.testing.layout_parity import ParityCase, base_overrides, torchrun
+from meshloom.testing.layout_parity import ParityCase, base_overrides
+from meshloom.testing.ranks import run_ranks
 
 
 class _Stop(Exception):
@@ -137,7 +137,7 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
 
 
 def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:
-    """Run multi-rank cases, one torchrun per world size, in the given order within each."""
+    """Run multi-rank cases, one launch per world size, in the given order within each."""
     by_world: dict[int, list[Case]] = defaultdict(list)
     for case in cases:
         by_world[case.world_size].append(case)
@@ -146,7 +146,7 @@ def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:
         cases_file = workdir / f"resume_cases_{world_size}.json"
         out_file = workdir / f"resume_results_{world_size}.json"
         cases_file.write_text(json.dumps([asdict(c) for c in group]))
-        torchrun("meshloom.testing.resume_parity", world_size, ["--worker", str(cases_file), str(out_file), str(workdir)])
+        run_ranks(worker, world_size, cases_file, out_file, workdir)
         results.update({name: CaseResult(**data) for name, data in json.loads(out_file.read_text()).items()})
     return results
 
@@ -161,9 +161,3 @@ def worker(cases_file: Path, out_file: Path, workdir: Path) -> None:
     if rank() == 0:
         out_file.write_text(json.dumps(results))
     shutdown_and_exit(0)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["--worker"]:
-        sys.exit("usage: python -m meshloom.testing.resume_parity --worker CASES.json OUT.json WORKDIR")
-    worker(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
