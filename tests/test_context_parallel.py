@@ -1,14 +1,12 @@
 """Context parallel: sequence layouts, blockwise attention math, bad input, and ring attention against full attention.
 
-The ring tests run real gloo processes: one torchrun launch per world size (2 and 4) runs every case, and
-this file is also the worker script of those launches.
+The ring tests run real gloo processes: one launch per world size (2 and 4, testing/ranks.py) runs every case.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from meshloom.models.registry import get_model_args
 from meshloom.parallel import context
 from meshloom.parallel.context import SequenceLayout, block_attention, block_attention_backward, merge_partial
 from meshloom.parallel.document_balance import assign_chunks, chunk_costs
+from meshloom.testing.ranks import run_ranks
 
 TOLERANCE = 1e-5
 BF16_TOLERANCE = 2e-2
@@ -34,14 +33,16 @@ CASES = [
     ("balanced_autocast", True, torch.float32, context.SCORE_TILE_ELEMENTS, True),
     ("balanced_bf16", True, torch.bfloat16, context.SCORE_TILE_ELEMENTS, False),
 ]
-# Document masks: (name, layout, v head size, score tile elements). "document" is the document-aware assignment
-# of the batch's chunks (4 per rank); a v head size of 24 against q/k's 16 is MLA's shape.
+# Document masks: (name, layout, v head size, score tile elements, key/value heads). "document" is the
+# document-aware assignment of the batch's chunks (4 per rank); a v head size of 24 against q/k's 16 is MLA's shape;
+# 2 key/value heads for 4 query heads is grouped-query attention, whose heads the ring carries unexpanded.
 DOCUMENT_CASES = [
-    ("documents", "balanced", 16, context.SCORE_TILE_ELEMENTS),
-    ("documents_contiguous", "contiguous", 16, context.SCORE_TILE_ELEMENTS),
-    ("documents_tiled", "balanced", 16, 2 * 4 * 3 * 16),
-    ("documents_mla", "balanced", 24, context.SCORE_TILE_ELEMENTS),
-    ("documents_assigned", "document", 24, context.SCORE_TILE_ELEMENTS),
+    ("documents", "balanced", 16, context.SCORE_TILE_ELEMENTS, 4),
+    ("documents_contiguous", "contiguous", 16, context.SCORE_TILE_ELEMENTS, 4),
+    ("documents_tiled", "balanced", 16, 2 * 4 * 3 * 16, 4),
+    ("documents_mla", "balanced", 24, context.SCORE_TILE_ELEMENTS, 4),
+    ("documents_assigned", "document", 24, context.SCORE_TILE_ELEMENTS, 4),
+    ("documents_grouped_kv", "balanced", 16, 2 * 4 * 3 * 16, 2),
 ]
 # Two packed sequences of 64 tokens: one-token documents, short ones, and one running across several chunks;
 # the second sequence is one document. Equal ids = the same document.
@@ -183,16 +184,19 @@ def _ring_case(
     autocast: bool,
     documents: torch.Tensor | None = None,
     v_dim: int = 16,
+    kv_heads: int = 4,
 ) -> dict[str, float]:
     """Max |ring - full attention| on this rank's shard for the output and the q/k/v gradients."""
     generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank
-    q, k, v, grad = (torch.randn(2, 4, 64, d, generator=generator).to(dtype) for d in (16, 16, v_dim, v_dim))
+    heads = (4, kv_heads, kv_heads, 4)
+    q, k, v, grad = (torch.randn(2, h, 64, d, generator=generator).to(dtype) for h, d in zip(heads, (16, 16, v_dim, v_dim)))
     full = [t.double().requires_grad_() for t in (q, k, v)]
+    expanded = [full[0], *(t.repeat_interleave(4 // kv_heads, dim=1) for t in full[1:])]
     if documents is None:
-        reference = F.scaled_dot_product_attention(*full, is_causal=True)
+        reference = F.scaled_dot_product_attention(*expanded, is_causal=True)
     else:
         mask = (documents[:, :, None] == documents[:, None, :]).tril()[:, None]
-        reference = F.scaled_dot_product_attention(*full, attn_mask=mask)
+        reference = F.scaled_dot_product_attention(*expanded, attn_mask=mask)
     reference.backward(grad.double())
 
     shard = lambda t: layout.shard(t, ring.rank, dim=2)
@@ -237,13 +241,13 @@ def worker(out_file: Path) -> None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         results[name] = dict(zip(errors, worst.tolist()))
     ids = document_ids()
-    for name, kind, v_dim, tile in DOCUMENT_CASES:
+    for name, kind, v_dim, tile, kv_heads in DOCUMENT_CASES:
         context.SCORE_TILE_ELEMENTS = tile
         if kind == "document":
             layout = SequenceLayout(ring.size, assignment=assign_chunks(chunk_costs(ids, 64, 4 * ring.size), ring.size))
         else:
             layout = SequenceLayout(ring.size, kind == "balanced")
-        errors = _ring_case(layout, ring, torch.float32, False, ids, v_dim)
+        errors = _ring_case(layout, ring, torch.float32, False, ids, v_dim, kv_heads)
         context.SCORE_TILE_ELEMENTS = default_tile
         worst = torch.tensor(list(errors.values()), dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -259,15 +263,10 @@ def worker(out_file: Path) -> None:
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ring")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    env.pop("WORLD_SIZE", None)
     results = {}
     for world_size in (2, 4):
         out = workdir / f"ring_{world_size}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-               __file__, "--worker", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        run_ranks(worker, world_size, out)
         results[world_size] = json.loads(out.read_text())
     return results
 
@@ -290,7 +289,3 @@ def test_next_block_is_in_flight_while_the_current_one_is_computed(ring_results,
     assert len(hops) == world_size, steps
     assert all(hop.startswith("s") and "c" in hop for hop in hops[:-1]), steps
     assert "s" not in hops[-1] and "c" in hops[-1], steps
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    worker(Path(sys.argv[2]))

@@ -183,9 +183,20 @@ def _unpack(kv: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[..., :k_dim], kv[..., k_dim:]
 
 
+def _expand_heads(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Grouped-query attention: query head i reads key/value head i // n_rep. The ring carries the key/value heads
+    only, n_rep times fewer bytes per hop, and each rank expands the block it holds."""
+    return t.repeat_interleave(n_rep, dim=1) if n_rep > 1 else t
+
+
+def _sum_heads(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The gradient of _expand_heads: each key/value head collects its n_rep query heads' gradients."""
+    return t.unflatten(1, (-1, n_rep)).sum(2) if n_rep > 1 else t
+
+
 def _ring_forward(q, k, v, ring: Ring, blocks: RingBlocks, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in q's dtype, float32 log-sum-exp) of this rank's queries over every rank's keys."""
-    k_dim = k.shape[-1]
+    k_dim, n_rep = k.shape[-1], q.shape[1] // k.shape[1]
     q32 = q.float()
     out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -194,7 +205,7 @@ def _ring_forward(q, k, v, ring: Ring, blocks: RingBlocks, scale: float) -> tupl
         # The next block travels while this one is computed.
         incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
         owner = (ring.rank - step) % ring.size
-        k32, v32 = (t.float() for t in _unpack(kv, k_dim))
+        k32, v32 = (_expand_heads(t.float(), n_rep) for t in _unpack(kv, k_dim))
         for block in blocks(owner):
             rows, keys = block.rows, block.keys
             block_out, block_lse = block_attention(
@@ -208,7 +219,7 @@ def _ring_forward(q, k, v, ring: Ring, blocks: RingBlocks, scale: float) -> tupl
 
 def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, blocks: RingBlocks, scale: float):
     """(dq, dk, dv) of this rank's shard; each key/value block's gradient comes home from the ranks it visited."""
-    k_dim = k.shape[-1]
+    k_dim, n_rep = k.shape[-1], q.shape[1] // k.shape[1]
     q32, grad32 = q.float(), grad_out.float()
     delta = (grad32 * out.float()).sum(-1)
     dq = torch.zeros_like(q32)
@@ -217,7 +228,7 @@ def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, blocks: RingBlocks, 
     for step in range(ring.size):
         incoming = ring.pass_on(kv, _KV_TAG) if step < ring.size - 1 else None
         owner = (ring.rank - step) % ring.size
-        k32, v32 = (t.float() for t in _unpack(kv, k_dim))
+        k32, v32 = (_expand_heads(t.float(), n_rep) for t in _unpack(kv, k_dim))
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
         dk, dv = _unpack(dkv, k_dim)
         for block in blocks(owner):
@@ -227,8 +238,8 @@ def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, blocks: RingBlocks, 
                 grad32[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, block.causal, block.mask,
             )
             dq[:, :, rows] += dq_block
-            dk[:, :, keys] += dk_block
-            dv[:, :, keys] += dv_block
+            dk[:, :, keys] += _sum_heads(dk_block, n_rep)
+            dv[:, :, keys] += _sum_heads(dv_block, n_rep)
         if grad_in_flight is not None:
             # The gradient this block collected on the ranks it visited before this one.
             dkv += grad_in_flight.wait()
@@ -271,8 +282,9 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's sequence shard over the whole sequence held by the ring.
 
-    q, k, v: [b, heads, shard_len, head_dim], laid out by `layout` (the same heads for k, v as for q; v's head_dim
-    may differ from q's and k's). With `document_ids` [b, shard_len] (this rank's shard) a query sees only keys of
+    q, k, v: [b, heads, shard_len, head_dim], laid out by `layout`; k and v may have fewer heads than q (grouped-query
+    attention: a divisor of q's, query head i reading key/value head i // (q heads / kv heads)); v's head_dim may
+    differ from q's and k's. With `document_ids` [b, shard_len] (this rank's shard) a query sees only keys of
     its own document. `blocks` may carry the blocks already built for this batch (see ring_blocks.BlockCache).
     """
     layout = layout.resolve()
@@ -280,6 +292,8 @@ def ring_attention(
         raise ValueError(f"shard length {q.shape[2]} is not divisible by {layout.chunks_per_rank} chunks per rank")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if ring.size == 1:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = _expand_heads(k, n_rep), _expand_heads(v, n_rep)
         if document_ids is None:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         same = (document_ids[:, :, None] == document_ids[:, None, :]).tril()
@@ -291,7 +305,10 @@ def ring_attention(
 
 
 class RingAttentionCore:
-    """An attention core (q, k, v[, document_ids] -> out) for models whose attention kernel is swappable."""
+    """An attention core (q, k, v[, document_ids] -> out) for models whose attention kernel is swappable. It takes
+    grouped-query keys and values unexpanded (`grouped_kv`), so the ring passes only the key/value heads."""
+
+    grouped_kv = True
 
     def __init__(self, group: dist.ProcessGroup, layout: Layout):
         self.ring = Ring(group)

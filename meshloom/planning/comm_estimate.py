@@ -10,7 +10,7 @@ import functools
 from collections import Counter
 
 from meshloom.models.shape import ParamShape, ShapeModel
-from meshloom.planning.layout import Layout, Precision
+from meshloom.planning.layout import FP32, Layout, Precision
 from meshloom.planning.memory_estimate import (
     FLOAT8,
     StageShape,
@@ -123,33 +123,42 @@ def _stage_comm_bytes(shape: ShapeModel, layout: Layout, stage: StageShape, seq_
     m = layout.microbatches
     out = dict.fromkeys(COMM_DIMS, 0.0)
 
-    # FSDP over dp_shard x cp (experts: over what ep leaves of it): gather weights for forward and again for
-    # backward on every microbatch (once when they stay gathered in between), reduce-scatter gradients once per
-    # step. Float8 gathers the blocks' matrices in float8.
+    # FSDP over dp_shard x cp (experts: over what ep leaves of it): gather each unit's weights for forward and again
+    # for backward on every microbatch, reduce-scatter gradients once per step. parallel/fsdp.py keeps two kinds of
+    # unit gathered from forward to backward, so they are gathered once a microbatch: the root (embedding, norm,
+    # output), and each stage's last block (its backward follows its forward at once); with reshard "never",
+    # every unit. Float8 gathers the blocks' matrices in float8. (Under PP the schedule also keeps units gathered
+    # between a microbatch's backward and the next forward; that saving is not modelled.)
+    once = [_block_elems(shape, layout, blocks[-1]) for blocks in stage.stage_blocks if blocks] if layout.reshard_after_forward else []
+    once_matrices, once_vectors, once_experts = (sum(part[i] for part in once) for i in range(3))
+    f8 = FLOAT8 if layout.float8 else a
     gathers = 2 * m if layout.reshard_after_forward else m
-    gather_bytes = gathers * ((FLOAT8 if layout.float8 else a) * matrices + a * (vectors + root_elems))
+    gather_bytes = gathers * (f8 * matrices + a * vectors) - m * (f8 * once_matrices + a * once_vectors) + m * a * root_elems
     dense_volume = gather_bytes + dense_elems * precision.reduce_dtype_bytes
-    expert_volume = expert_elems * (gathers * a + precision.reduce_dtype_bytes)
+    expert_volume = (gathers * expert_elems - m * once_experts) * a + expert_elems * precision.reduce_dtype_bytes
     fsdp_volume = _ring(layout.fsdp) * dense_volume + _ring(layout.expert_fsdp) * expert_volume
     # Muon: each rank sends its shard of every Muon matrix to the matrix's owner and gets its piece of the result back.
     fsdp_volume += 2 * _ring(layout.fsdp) * muon * MUON_NS_BYTES
-    if layout.cp > 1:  # the shard group spans both dims; book it where most of its ranks are
+    if layout.cp > 1 and layout.dp_shard > 1:  # the shard group spans both dims; book it where most of its ranks are
         share = layout.cp / (layout.cp + layout.dp_shard)
         out["cp"] += fsdp_volume * share
         out["dp_shard"] += fsdp_volume * (1 - share)
     else:
-        out["dp_shard"] += fsdp_volume
+        out["cp" if layout.cp > 1 else "dp_shard"] += fsdp_volume
     # HSDP: all-reduce of the sharded gradients across replicas.
     sharded = dense_elems / layout.fsdp + expert_elems / layout.expert_fsdp
     out["dp_replicate"] += 2 * _ring(layout.dp_replicate) * sharded * precision.reduce_dtype_bytes
     # TP with sequence parallel: per block two all-gathers and two reduce-scatters of the hidden states forward,
-    # the same backward, and again forward when a checkpointed block is recomputed.
+    # the same backward, and again forward when a checkpointed block is recomputed; at each end of the model one
+    # forward and one backward (the embedding's output reduce-scattered, the final norm's gathered for the output).
     per_block = (12 if layout.ac == "full" else 8) * _ring(layout.tp) * hidden
-    out["tp"] += m * (stage.layers * per_block + 4 * _ring(layout.tp) * hidden * (stage.first + stage.last))
-    # CP ring attention: k and v pass around the ring forward; backward passes them and their gradients.
-    for layer in stage.block_ids:
-        kv = shape.cp_elements_per_token(layer) / layout.tp * tokens * a
-        out["cp"] += m * 3 * (layout.cp - 1) * kv
+    out["tp"] += m * (stage.layers * per_block + 2 * _ring(layout.tp) * hidden * (stage.first + stage.last))
+    # CP ring attention (parallel/context.py): each key/value shard makes cp - 1 hops forward and again backward,
+    # in the compute dtype, and its gradient accumulator follows it cp hops home in float32.
+    if layout.cp > 1:
+        for layer in stage.block_ids:
+            kv = shape.cp_elements_per_token(layer) / layout.tp * tokens
+            out["cp"] += m * kv * (2 * (layout.cp - 1) * a + layout.cp * FP32)
     # EP: every routed token goes to top_k experts and comes back, forward and backward (dispatch + combine, and
     # their gradients), the share (ep - 1)/ep leaving this rank (uniform routing, which bias balancing aims at).
     # Each tensor-parallel rank dispatches the whole sequence. A checkpointed block (full or selective: the
@@ -160,7 +169,17 @@ def _stage_comm_bytes(shape: ShapeModel, layout: Layout, stage: StageShape, seq_
         if is_moe_block(shape, layer)
     )
     out["ep"] += m * exchanges * _ring(layout.ep) * hidden * shape.top_k
-    # PP: each microbatch's activations forward and their gradients backward cross a stage boundary.
+    # PP: each of this rank's stages sends a microbatch's activations to the next stage and their gradients to the
+    # previous one, unless that stage is on this rank too (the turn of a V schedule) or there is none.
     if layout.pp > 1:
-        out["pp"] += m * 2 * hidden
+        n_stages = len(layout.stage_layer_counts) or layout.pp * layout.stages_per_rank
+        held = set(stage.stages)
+        sends = sum((s + 1 < n_stages and s + 1 not in held) + (s > 0 and s - 1 not in held) for s in stage.stages)
+        out["pp"] += m * sends * hidden
     return out
+
+
+def _block_elems(shape: ShapeModel, layout: Layout, layer: int) -> tuple[int, int, int]:
+    """One block's gathered (dense matrices, dense vectors, expert stacks) elements on one rank."""
+    matrices, vectors, experts, _ = _block_parts(cached_block_params(shape, layer))
+    return local_numel(matrices, layout, fsdp=1), local_numel(vectors, layout, fsdp=1), local_numel(experts, layout, fsdp=layout.ep)

@@ -126,6 +126,9 @@ class StageShape:
     inflight: float
     # Pipeline rank.
     rank: int = 0
+    # The pipeline stages this rank holds, and the block ids of each (one FSDP model part per stage).
+    stages: tuple[int, ...] = ()
+    stage_blocks: tuple[tuple[int, ...], ...] = ()
 
     @property
     def layers(self) -> int:
@@ -166,7 +169,9 @@ def pipeline_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
         stage_ids = [rank, 2 * layout.pp - 1 - rank] if v_shaped else list(range(rank, len(counts), layout.pp))
         blocks = tuple(layer for s in sorted(stage_ids) for layer in range(starts[s], starts[s] + counts[s]))
         first, last = 0 in stage_ids, len(counts) - 1 in stage_ids
-        ranks.append(StageShape(blocks, first, last, _inflight(layout, rank), rank))
+        stages = tuple(sorted(stage_ids))
+        per_stage = tuple(tuple(range(starts[s], starts[s] + counts[s])) for s in stages)
+        ranks.append(StageShape(blocks, first, last, _inflight(layout, rank), rank, stages, per_stage))
     return ranks
 
 

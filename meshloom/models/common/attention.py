@@ -121,7 +121,9 @@ class GroupedQueryAttention(nn.Module):
         if self.track_max_logits and self.training:
             qk_clip.track(self, q, k, document_ids)
         n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
+        # A core that takes grouped keys and values (ring attention, which then passes n_rep times fewer bytes)
+        # expands them itself.
+        if n_rep > 1 and not (getattr(self.core, "grouped_kv", False) and mask is None):
             # Query head i reads kv head i // n_rep; an explicit copy works with
             # every SDPA backend and with sharded tensors.
             k = k.repeat_interleave(n_rep, dim=1)
