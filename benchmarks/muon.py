@@ -50,6 +50,11 @@ def common_args(steps: int, seq_len: int, batch: int, config: str = "llama3_debu
     ]  # fmt: skip
 
 
+def muon_only(optimizer: str, ns_dtype: str) -> list[str]:
+    """The Newton-Schulz dtype for a Muon run; an AdamW run refuses Muon settings, which it would ignore."""
+    return ["--optimizer.muon_ns_dtype", ns_dtype] if optimizer == "Muon" else []
+
+
 # --------------------------------------------------------------------------- loss curves
 
 
@@ -95,7 +100,7 @@ def loss_curves(args: argparse.Namespace) -> None:
     for name, lr in order:
         run_dir = runs / f"{name.lower()}_lr{lr:g}"
         cmd = [*launcher, "-m", "meshloom.train", *common_args(args.steps, args.seq_len, args.batch, args.config),
-               *layout, "--optimizer.name", name, "--optimizer.lr", str(lr), "--optimizer.muon_ns_dtype", "float32",
+               *layout, "--optimizer.name", name, "--optimizer.lr", str(lr), *muon_only(name, "float32"),
                "--validation.freq", "100", "--job.dump_folder", str(run_dir)]  # fmt: skip
         shutil.rmtree(run_dir, ignore_errors=True)  # this script's own earlier output
         start = time.perf_counter()
@@ -185,7 +190,7 @@ def _whole_matrices_seconds(trainer) -> float:
     return time.perf_counter() - start
 
 
-def step_worker(argv: list[str], rounds: int, steps_per_round: int, out_file: Path) -> None:
+def step_worker(argv: list[str], rounds: int, steps_per_round: int, ns_dtype: str, out_file: Path) -> None:
     from meshloom.config.loader import load_config
     from meshloom.parallel.distributed import rank, shutdown_and_exit
     from meshloom.train import muon
@@ -193,7 +198,8 @@ def step_worker(argv: list[str], rounds: int, steps_per_round: int, out_file: Pa
 
     trainers, timers = {}, {}
     for name in ("AdamW", "Muon"):
-        trainers[name] = Trainer(load_config(argv + ["--optimizer.name", name, "--job.dump_folder", f"{out_file}.{name}"]))
+        trainers[name] = Trainer(load_config(argv + ["--optimizer.name", name, *muon_only(name, ns_dtype),
+                                                     "--job.dump_folder", f"{out_file}.{name}"]))
         timers[name] = Timers()
         _instrument(trainers[name], timers[name])
         trainers[name].train_step()  # warm-up: state allocation and Muon's plan
@@ -225,8 +231,7 @@ def _median_spread(values: list[float]) -> str:
 def step_cost(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    argv = common_args(1000, args.seq_len, args.batch, args.config) + ["--validation.enable", "false",
-                                                                        "--optimizer.muon_ns_dtype", args.ns_dtype]
+    argv = common_args(1000, args.seq_len, args.batch, args.config) + ["--validation.enable", "false"]
     scratch = Path(tempfile.mkdtemp(prefix="meshloom-muon-step-"))
     results = {}
     for world in (1, 2):
@@ -239,7 +244,7 @@ def step_cost(args: argparse.Namespace) -> None:
         env.pop("WORLD_SIZE", None)
         launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                         "--nproc-per-node", str(world)]  # fmt: skip
-        cmd = [*launcher, __file__, "--worker", str(cases), str(args.rounds), str(args.steps_per_round), str(out_file)]
+        cmd = [*launcher, __file__, "--worker", str(cases), str(args.rounds), str(args.steps_per_round), args.ns_dtype, str(out_file)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"{world} ranks failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -263,8 +268,8 @@ def step_cost(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        cases, rounds, steps, out_file = sys.argv[2:6]
-        step_worker(json.loads(Path(cases).read_text()), int(rounds), int(steps), Path(out_file))
+        cases, rounds, steps, ns_dtype, out_file = sys.argv[2:7]
+        step_worker(json.loads(Path(cases).read_text()), int(rounds), int(steps), ns_dtype, Path(out_file))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("loss", "step"))

@@ -1,11 +1,10 @@
 """Expert parallel: every layout equals one process, checkpoints resume and reshard, the mesh and errors are right.
 
 All multi-rank training runs are fp32 Qwen3 `tiny_moe` (8 experts, top 2, 2 blocks) for 10 steps with bias
-balancing on (the default rate), batched into one torchrun launch per world size (testing/resume_parity.py, built on
-the parity harness's settings). Each layout is compared with a 1-process reference to 1e-5. Compile and selective
-activation checkpointing are proven on a subset, folded into layouts that are otherwise covered, to keep the
-suite short: compile and selective AC together on CP 2 x EP 2 (which also runs without them), selective AC on
-HSDP x EP and PP 2 x EP 2.
+balancing on (the default rate), batched into one launch per world size (testing/resume_parity.py, built on
+the parity harness's settings). Each layout is compared with a 1-process reference to 1e-5. Every layout runs with
+compile and selective activation checkpointing together; EP 2 on 2 ranks and CP 2 x EP 2 (with 2 accumulation steps)
+also run eager without checkpointing, as do the resume cases.
 
 DeepSeek-V3's FSDP 2 x EP 2 x TP 2 parity (MLA, multi-token prediction, shared experts, bias balancing) rides on
 the 4-rank launch too, against its own 1-process reference (its 2-rank EP case is in test_deepseek_v3_parallel.py).
@@ -50,13 +49,14 @@ DEEPSEEK += ["--moe.bias_update_rate", "0.01", "--moe.z_loss_coef", "1e-3"]
 # name -> (layout, reference): every case trains 10 steps from the reference's initial weights.
 PARITY = {
     "ep2": ("dp_shard=2,ep=2", "ref"),
+    "ep2_compile_sac": ("dp_shard=2,ep=2" + COMPILE + SAC, "ref"),
     "cp2_ep2": ("cp=2,ep=2,training.local_batch_size=4", "ref_cp"),  # and 2 accumulation steps
     "cp2_ep2_compile_sac": ("cp=2,ep=2" + COMPILE + SAC, "ref_cp"),
-    "ep4": ("dp_shard=4,ep=4", "ref"),
-    "fsdp2_ep2": ("dp_shard=4,ep=2", "ref"),
-    "hsdp_ep2_sac": ("dp_replicate=2,dp_shard=2,ep=2" + SAC, "ref"),
-    "tp2_ep2": ("dp_shard=2,tp=2,ep=2", "ref"),
-    "pp2_ep2_sac": ("pp=2,dp_shard=2,ep=2" + SAC, "ref"),
+    "ep4_compile_sac": ("dp_shard=4,ep=4" + COMPILE + SAC, "ref"),
+    "fsdp2_ep2_compile_sac": ("dp_shard=4,ep=2" + COMPILE + SAC, "ref"),
+    "hsdp_ep2_compile_sac": ("dp_replicate=2,dp_shard=2,ep=2" + COMPILE + SAC, "ref"),
+    "tp2_ep2_compile_sac": ("dp_shard=2,tp=2,ep=2" + COMPILE + SAC, "ref"),
+    "pp2_ep2_compile_sac": ("pp=2,dp_shard=2,ep=2" + COMPILE + SAC, "ref"),
 }
 
 

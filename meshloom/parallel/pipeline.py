@@ -218,6 +218,20 @@ class EvalSafeStage(PipelineStage):
     gradients exactly, and costs no peak memory: everything kept was alive when the pass began.
     """
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """torch 2.13 infers a stage's output shapes by running it once, before the first microbatch, on placeholder
+        inputs (uninitialised memory on every stage but the first). QK-clip must not take that forward's attention
+        logits for the step's: they clipped heads at step 1 that one process never clipped. (MoE statistics leave
+        that forward out by counting; see MoE.step_stats.)"""
+        tracking = [m for m in self.submod.modules() if getattr(m, "track_max_logits", False)]
+        for module in tracking:
+            module.track_max_logits = False
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for module in tracking:
+                module.track_max_logits = True
+
     def get_local_bwd_output(self, mb_index: int):
         return super().get_local_bwd_output(mb_index) if self.has_backward else None
 

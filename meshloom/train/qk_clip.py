@@ -35,6 +35,9 @@ def _first_row(param: Tensor) -> int:
     return 0
 
 
+NEAR_TAU = 1e-5
+
+
 class QKClip:
     """Tracks and clips the attention heads of this rank's model parts; inert when the threshold is 0."""
 
@@ -42,6 +45,9 @@ class QKClip:
         self.targets, self.tau, self.dims = targets, tau, dims
         self.enabled = tau > 0
         self.clipped_heads = 0  # at the latest update, over the whole model
+        # Heads whose largest logit lay within float rounding (NEAR_TAU, relative) of tau at the latest update: a
+        # layout that sums in another order may clip them or not, so parity checks allow them either way.
+        self.near_tau_heads = 0
         self.total_clipped_heads = 0  # since this process started
         for target in targets:
             target.attention.track_max_logits = self.enabled
@@ -64,18 +70,23 @@ class QKClip:
             return 0
         maxima = self._global_maxima()
         clipped = torch.zeros((), dtype=torch.int64, device=maxima.device)
+        near = torch.zeros((), dtype=torch.int64, device=maxima.device)
         offset = 0
         for target in self.targets:
             heads = maxima[offset : offset + target.n_heads]
             offset += target.n_heads
             clipped += (heads > self.tau).sum()
+            near += ((heads - self.tau).abs() <= NEAR_TAU * self.tau).sum()
             if not bool((heads > self.tau).any()):
                 continue
             for param, factors in target.row_factors(heads, self.tau):
                 scale_rows_(local_tensor(param), _first_row(param), factors)
         if self.dims is not None and self.dims.pp > 1:
-            dist.all_reduce(clipped, group=self.dims.mesh("pp").get_group())
+            counts = torch.stack([clipped, near])
+            dist.all_reduce(counts, group=self.dims.mesh("pp").get_group())
+            clipped, near = counts
         self.discard()
+        self.near_tau_heads = int(near)
         self.clipped_heads = int(clipped)
         self.total_clipped_heads += self.clipped_heads
         return self.clipped_heads
