@@ -11,14 +11,16 @@ that step):
 - restart: HSDP 2 x 2 in one torchrun with checkpoint.interval 10 and one restart allowed. Rank 1 dies; torchrun
   stops and restarts all four ranks, which reload the last checkpoint and redo the steps since.
 
-Every round runs both modes with and without the kill (calm), alternating, so each loss is a difference of two runs
-made minutes apart on the same machine. The benchmark follows the metrics rows as they are written to time the
-failure window. It reports, per mode, the median over rounds and the spread (min-max):
+Each round runs both modes, alternating. The benchmark follows the metrics rows as they are written, so every loss
+is read off the killed run's own timeline (a shared machine's load drifts too much between runs to subtract whole
+run times). Per mode, the median over rounds and the spread (min-max):
 
-- healthy steps: the steps group 0 completed between the kill and group 1's recovery (restart mode: none);
-- wall lost: how much later the job finished than its calm twin (replica mode: group 0's finish);
-- rank-seconds lost: ranks x seconds without useful work. Restart: all 4 ranks x the wall lost. Replica: the failed
-  group's 2 ranks x the failure window, plus group 0's 2 ranks x its own delay;
+- step s: the median interval between two steps before the kill;
+- progress stalled: from the last step before the kill to the first completion of the killed step, less one step
+  (restart: the job's; replica: the live group's, which retries the step in flight and forms a new quorum);
+- failure window (replica): from the kill to group 1's recovery from group 0, and the steps group 0 finished in it;
+- rank-seconds lost: ranks x seconds without useful work. Restart: all 4 ranks x the stall. Replica: the failed
+  group's 2 ranks x the window, plus the live group's 2 ranks x its stall;
 
 and then extrapolates both to a 1,024-GPU job with the arithmetic printed (see `extrapolate`).
 """
@@ -26,6 +28,7 @@ and then extrapolates both to a 1,024-GPU job with the arithmetic printed (see `
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -58,11 +61,32 @@ CHECKPOINT_INTERVAL = 10
 @dataclass
 class Run:
     mode: str
-    killed: bool
-    wall_s: float  # replica mode: group 0's launch to exit
+    step_s: float  # median time between two steps before the kill (the killed group's, or the job's)
+    stalled_s: float  # how much later than a step's time the first completion of the killed step came (the job's
+    # progress stopped this long; replica mode: group 0's, which goes on alone)
+    window_s: float = 0.0  # replica mode: kill to group 1's recovery (its ranks do no useful work meanwhile)
     healthy_steps: int = 0  # replica mode: group 0's steps inside the failure window
-    window_s: float = 0.0  # replica mode: kill to group 1's recovery
     steps_redone: int = 0  # restart mode: steps trained twice after the reload
+
+    @property
+    def rank_seconds_lost(self) -> float:
+        """Restart: all 4 ranks for the stall. Replica: the failed group's 2 ranks for the window, and the live
+        group's 2 for its own stall (the retried step and the new quorum)."""
+        return 4 * self.stalled_s if self.mode == "restart" else 2 * self.window_s + 2 * self.stalled_s
+
+
+def _stall(rows: list[dict], times: list[float], kill_step: int) -> tuple[float, float]:
+    """(median step interval before the kill, time from the last step before the kill to the first completion of
+    the killed step, less one step interval)."""
+    steps = [(row["step"], t) for row, t in zip(rows, times) if "loss" in row]
+    before: list[float] = []  # the first attempt's steps up to the kill (a restart logs earlier steps again)
+    for i, (step, t) in enumerate(steps):
+        if step >= kill_step or (i and step <= steps[i - 1][0]):
+            break
+        before.append(t)
+    step_s = statistics.median(b - a for a, b in itertools.pairwise(before[1:]))  # the first step warms up
+    done = next(t for step, t in steps if step == kill_step)
+    return step_s, done - before[-1] - step_s
 
 
 class Watcher:
@@ -98,57 +122,50 @@ def _wait(procs: list[subprocess.Popen], watchers: list[Watcher], kill: tuple[st
     return killed_at
 
 
-def run_replica(work: Path, steps: int, kill_step: int | None) -> Run:
-    name = f"replica_{'kill' if kill_step else 'calm'}"
+def run_replica(work: Path, steps: int, kill_step: int) -> Run:
+    name = "replica"
     run_dir = work / name
     lighthouse = Lighthouse(work)
-    start = time.monotonic()
     procs, watchers = [], []
     try:
         for group in (0, 1):
             args = [*base_overrides(steps, work), *COMMON, *FT, "--fault_tolerance.lighthouse", lighthouse.address,
                     "--fault_tolerance.replica_id", str(group), "--parallelism.dp_shard", "2", "--job.dump_folder", str(run_dir)]  # fmt: skip
-            if kill_step and group == 1:
+            if group == 1:
                 args += ["--fault_injection.rank", "1", "--fault_injection.sleep_at_step", str(kill_step),
                          "--fault_injection.sleep_seconds", "600"]  # fmt: skip
             procs.append(start_training(2, args, work / f"{name}.group{group}.log", restarts=1, marker=f"{name}-{group}"))
             watchers.append(Watcher(run_dir / f"replica_{group}"))
-        killed_at = _wait(procs, watchers, (f"{name}-1", 1, kill_step - 1) if kill_step else None)
+        killed_at = _wait(procs, watchers, (f"{name}-1", 1, kill_step - 1))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         lighthouse.stop()
-    finish0 = watchers[0].times[-1]
-    run = Run("replica", bool(kill_step), finish0 - start)
-    if kill_step:
-        rows1 = metrics_rows(run_dir / "replica_1")
-        recovered = next((i for i, row in enumerate(rows1) if row.get("event") == "replica_recovered"), None)
-        if recovered is None:
-            raise SystemExit(f"group 1 did not rejoin before group 0 finished {steps} steps: raise --steps")
-        recovered_at = watchers[1].times[recovered]
-        rows0 = metrics_rows(run_dir / "replica_0")
-        run.window_s = recovered_at - killed_at
-        run.healthy_steps = sum(1 for row, t in zip(rows0, watchers[0].times) if "loss" in row and killed_at <= t <= recovered_at)
-    return run
+    rows0, rows1 = metrics_rows(run_dir / "replica_0"), metrics_rows(run_dir / "replica_1")
+    recovered = next((i for i, row in enumerate(rows1) if row.get("event") == "replica_recovered"), None)
+    if recovered is None:
+        raise SystemExit(f"group 1 did not rejoin before group 0 finished {steps} steps: raise --steps")
+    recovered_at = watchers[1].times[recovered]
+    step_s, stalled = _stall(rows0, watchers[0].times, kill_step)
+    healthy = sum(1 for row, t in zip(rows0, watchers[0].times) if "loss" in row and killed_at <= t <= recovered_at)
+    return Run("replica", step_s, stalled, recovered_at - killed_at, healthy)
 
 
-def run_restart(work: Path, steps: int, kill_step: int | None) -> Run:
-    name = f"restart_{'kill' if kill_step else 'calm'}"
+def run_restart(work: Path, steps: int, kill_step: int) -> Run:
+    name = "restart"
     run_dir = work / name
     args = [*base_overrides(steps, work), *COMMON, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
             "--checkpoint.enable", "true", "--checkpoint.interval", str(CHECKPOINT_INTERVAL), "--job.dump_folder", str(run_dir)]  # fmt: skip
-    if kill_step:
-        args += ["--fault_injection.rank", "1", "--fault_injection.sleep_at_step", str(kill_step),
-                 "--fault_injection.sleep_seconds", "600"]  # fmt: skip
-    start = time.monotonic()
+    args += ["--fault_injection.rank", "1", "--fault_injection.sleep_at_step", str(kill_step),
+             "--fault_injection.sleep_seconds", "600"]  # fmt: skip
     proc = start_training(4, args, work / f"{name}.log", restarts=1, marker=name)
     watcher = Watcher(run_dir)
-    _wait([proc], [watcher], (name, 1, kill_step - 1) if kill_step else None)
-    run = Run("restart", bool(kill_step), watcher.times[-1] - start)
-    steps_logged = [row["step"] for row in metrics_rows(run_dir) if "loss" in row]
-    run.steps_redone = len(steps_logged) - len(set(steps_logged))
-    return run
+    _wait([proc], [watcher], (name, 1, kill_step - 1))
+    rows = metrics_rows(run_dir)
+    step_s, stalled = _stall(rows, watcher.times, kill_step)
+    steps_logged = [row["step"] for row in rows if "loss" in row]
+    return Run("restart", step_s, stalled, steps_redone=len(steps_logged) - len(set(steps_logged)))
 
 
 def _median_spread(values: list[float]) -> str:
@@ -156,28 +173,22 @@ def _median_spread(values: list[float]) -> str:
 
 
 def summarize(runs: list[Run]) -> dict:
-    """Per mode, per round: the losses of the killed run against the calm run of the same round."""
+    """Per mode, each figure over the rounds."""
     out = {}
     for mode in ("replica", "restart"):
-        calm = [r for r in runs if r.mode == mode and not r.killed]
-        kill = [r for r in runs if r.mode == mode and r.killed]
-        wall_lost = [k.wall_s - c.wall_s for c, k in zip(calm, kill)]
-        if mode == "restart":
-            rank_s = [4 * lost for lost in wall_lost]
-        else:
-            rank_s = [2 * k.window_s + 2 * max(0.0, lost) for k, lost in zip(kill, wall_lost)]
+        mine = [r for r in runs if r.mode == mode]
         out[mode] = {
-            "calm_wall_s": [c.wall_s for c in calm],
-            "wall_lost_s": wall_lost,
-            "rank_seconds_lost": rank_s,
-            "healthy_steps": [k.healthy_steps for k in kill],
-            "window_s": [k.window_s for k in kill],
-            "steps_redone": [k.steps_redone for k in kill],
+            "step_s": [r.step_s for r in mine],
+            "stalled_s": [r.stalled_s for r in mine],
+            "rank_seconds_lost": [r.rank_seconds_lost for r in mine],
+            "healthy_steps": [r.healthy_steps for r in mine],
+            "window_s": [r.window_s for r in mine],
+            "steps_redone": [r.steps_redone for r in mine],
         }
     return out
 
 
-def extrapolate(summary: dict, step_s: float, gpus: int, groups: int, mtbf_h: float, restart_s: float, interval: int) -> list[str]:
+def extrapolate(step_s: float, gpus: int, groups: int, mtbf_h: float, restart_s: float, interval: int) -> list[str]:
     """Lost GPU-hours per day of a `gpus`-GPU job, from the measured mechanics and stated at-scale timings.
 
     Whole-job restart: every failure idles all GPUs for the restart (scheduler, process start, collective setup,
@@ -197,8 +208,6 @@ def extrapolate(summary: dict, step_s: float, gpus: int, groups: int, mtbf_h: fl
         (f"- replica groups: {gpus}/{groups} x ({restart_s:g} + {step_s:g}) + {gpus} x (1 - 1/{groups}) x {step_s:g} = "
         f"{replica_lost / 3600:.2f} GPU-hours a failure; x {per_day:.1f} = {replica_lost * per_day / 3600:.2f} GPU-hours a day "
         f"({replica_lost * per_day / (gpus * 86400):.2%} of the job)."),
-        (f"- measured here (median rank-seconds): restart {statistics.median(summary['restart']['rank_seconds_lost']):.0f}, "
-        f"replica {statistics.median(summary['replica']['rank_seconds_lost']):.0f} per failure on 4 ranks."),
     ]
     return lines
 
@@ -206,7 +215,7 @@ def extrapolate(summary: dict, step_s: float, gpus: int, groups: int, mtbf_h: fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200, help="steps per run; long enough for group 1 to come back")
+    parser.add_argument("--steps", type=int, default=300, help="steps per run; long enough for group 1 to come back")
     parser.add_argument("--kill-step", type=int, default=16, help="the step during which rank 1 is killed")
     parser.add_argument("--out", default="", help="folder for fault_tolerance.json and fault_tolerance.txt")
     args = parser.parse_args()
@@ -217,37 +226,37 @@ def main() -> None:
         warmup = [*base_overrides(1, work), "--job.dump_folder", str(work / "warmup")]
         subprocess.run([sys.executable, "-m", "meshloom.train", *warmup], env=launch_env(), check=True, capture_output=True)
         for round_index in range(args.rounds):
-            order = [(run_replica, None), (run_restart, None), (run_replica, args.kill_step), (run_restart, args.kill_step)]
-            if round_index % 2:
-                order.reverse()
-            for fn, kill in order:
-                for stale in work.glob(f"{fn.__name__.split('_')[1]}_{'kill' if kill else 'calm'}"):
-                    shutil.rmtree(stale)  # this script's own run of the previous round
-                run = fn(work, args.steps, kill)
+            order = [run_replica, run_restart] if round_index % 2 == 0 else [run_restart, run_replica]
+            for fn in order:
+                shutil.rmtree(work / fn.__name__.removeprefix("run_"), ignore_errors=True)  # this script's own run
+                run = fn(work, args.steps, args.kill_step)
                 runs.append(run)
                 print(json.dumps({"round": round_index, **asdict(run), "load_avg": os.getloadavg()}), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(runs)
-    step_s = statistics.median(r.wall_s for r in runs if r.mode == "restart" and not r.killed) / args.steps
     lines = [
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags: {' '.join(sorted(cpu_flags()))}",
-        f"{args.rounds} rounds, {args.steps} steps, kill during step {args.kill_step}, checkpoint interval {CHECKPOINT_INTERVAL}",
+        (f"{args.rounds} rounds, {args.steps} steps, kill during step {args.kill_step}, checkpoint interval "
+         f"{CHECKPOINT_INTERVAL}; median (min-max) over the rounds"),
         "",
-        "| mode | calm run s | wall lost s | rank-seconds lost | healthy-group steps in the window | window s | steps redone |",
+        "| mode | step s | progress stalled s | rank-seconds lost | failure window s | live-group steps in it | steps redone |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for mode, m in summary.items():
         lines.append(
-            f"| {mode} | {_median_spread(m['calm_wall_s'])} | {_median_spread(m['wall_lost_s'])} | {_median_spread(m['rank_seconds_lost'])} "
-            f"| {_median_spread(m['healthy_steps'])} | {_median_spread(m['window_s'])} | {_median_spread(m['steps_redone'])} |"
+            f"| {mode} | {_median_spread(m['step_s'])} | {_median_spread(m['stalled_s'])} | {_median_spread(m['rank_seconds_lost'])} "
+            f"| {_median_spread(m['window_s'])} | {_median_spread(m['healthy_steps'])} | {_median_spread(m['steps_redone'])} |"
         )
-    restart_here = statistics.median(summary["restart"]["wall_lost_s"]) - CHECKPOINT_INTERVAL / 2 * step_s
-    lines += ["", f"Measured step {step_s:.3f} s; whole-job restart overhead here about {restart_here:.1f} s.", "", "At scale:"]
+    restart = [r for r in runs if r.mode == "restart"]
+    overhead = statistics.median(r.stalled_s - r.steps_redone * r.step_s for r in restart)
+    note = (f"Whole-job restart here: {overhead:.1f} s (median) of the stall is the restart itself (processes, process "
+            "groups, checkpoint load); the rest is the steps since the last checkpoint, trained again.")
+    lines += ["", note, "", "At scale (stated timings, the same mechanics):"]
     # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs; the rate scales with the GPU count.
     mtbf_1024 = 54 * 24 / 419 * 16384 / 1024
-    lines += extrapolate(summary, step_s=5.0, gpus=1024, groups=8, mtbf_h=mtbf_1024, restart_s=600, interval=500)
-    lines += extrapolate(summary, step_s=5.0, gpus=1024, groups=8, mtbf_h=3.0, restart_s=600, interval=500)
+    lines += extrapolate(step_s=5.0, gpus=1024, groups=8, mtbf_h=mtbf_1024, restart_s=600, interval=500)
+    lines += extrapolate(step_s=5.0, gpus=1024, groups=8, mtbf_h=3.0, restart_s=600, interval=500)
     text = "\n".join(lines)
     print(text)
     if args.out:
