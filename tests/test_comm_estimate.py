@@ -74,7 +74,7 @@ def counted(tmp_path_factory, data_cache: Path) -> dict:
 def test_estimated_bytes_per_dimension_are_within_5_percent_of_the_counted(counted, spec: str) -> None:
     ranks, estimate = counted[spec]["ranks"], counted[spec]["estimate"]
     assert not [call for r in ranks for call in r["calls"] if call.startswith("uncounted:")], ranks[0]["calls"]
-    dims = {dim for r in ranks for dim in r["sent"]} | {dim for dim, value in estimate.items() if value}
+    dims = {dim for r in ranks for dim, value in r["sent"].items() if value} | {dim for dim, value in estimate.items() if value}
     report = []
     for dim in sorted(dims):
         per_rank = [r["sent"].get(dim, 0.0) for r in ranks]

@@ -25,6 +25,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _c10d = torch.ops.c10d
 _functional = torch.ops._c10d_functional
+# op -> (what it is, the position of its input tensor(s), the position of its process group or group name).
+_OPS = {
+    _c10d._allgather_base_: ("all_gather", 1, 2),
+    _c10d._reduce_scatter_base_: ("reduce_scatter", 1, 2),
+    _c10d.allreduce_: ("all_reduce", 0, 1),
+    _c10d.alltoall_base_: ("all_to_all", 1, 2),
+    _c10d.send: ("send", 0, 1),
+    _functional.all_gather_into_tensor: ("all_gather", 0, 2),
+    _functional.reduce_scatter_tensor: ("reduce_scatter", 0, 3),
+    _functional.all_reduce: ("all_reduce", 0, 2),
+    _functional.all_to_all_single: ("all_to_all", 0, 3),
+}
+# Bytes one rank sends, from the group size and the bytes of its input.
+_SENT = {
+    "all_gather": lambda n, size: (n - 1) * size,
+    "reduce_scatter": lambda n, size: _ring(n) * size,
+    "all_reduce": lambda n, size: 2 * _ring(n) * size,
+    "all_to_all": lambda n, size: _ring(n) * size,
+    "send": lambda n, size: size,
+}
 # Ops in those namespaces that send nothing themselves: waits, receives, and DTensor's autograd wrapper.
 _NOT_SENDING = {"c10d.recv_", "c10d.recv_any_source_", "_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd"}
 
@@ -39,14 +59,13 @@ def _ring(n: int) -> float:
 
 class CommCounter(TorchDispatchMode):
     """Bytes sent per mesh dimension while active. `dims` maps a process group's name to the dimension it belongs
-    to (ParallelDims.group_dimensions()); a group not in it is booked under its own name."""
+    to (`group_dimensions(dims)`); a group not in it is booked under its own name."""
 
     def __init__(self, dims: dict[str, str]):
         super().__init__()
         self.dims = dims
         self.sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
-        self.log: list[tuple[str, str, float]] = []  # (dimension, op, bytes) of each call, in order
 
     def _group(self, group: Any) -> tuple[str, int]:
         if not isinstance(group, str):
@@ -55,49 +74,25 @@ class CommCounter(TorchDispatchMode):
 
         return self.dims.get(group, group), _resolve_process_group(group).size()
 
-    def _book(self, op: str, group: Any, sent: float | None = None, n_to_bytes: Any = None) -> None:
+    def _book(self, op: str, inputs: Any, group: Any) -> None:
         dim, n = self._group(group)
         if op == "all_to_all":
             # Expert parallel's dispatch and combine, the only all-to-alls; its group may be the same ranks (and
             # the same process group) as dp_shard's, which it borrows.
             dim = "ep"
-        sent = sent if sent is not None else n_to_bytes(n)
+        size = sum(_bytes(t) for t in inputs) if isinstance(inputs, list | tuple) else _bytes(inputs)
+        sent = _SENT[op](n, size)
         self.sent[dim] += sent
         self.calls[f"{dim}:{op}"] += 1
-        self.log.append((dim, op, sent))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
         packet = func.overloadpacket
-        if packet is _c10d._allgather_base_:
-            inp = args[1]
-            self._book("all_gather", args[2], n_to_bytes=lambda n: (n - 1) * _bytes(inp))
-        elif packet is _c10d._reduce_scatter_base_:
-            inp = args[1]
-            self._book("reduce_scatter", args[2], n_to_bytes=lambda n: _ring(n) * _bytes(inp))
-        elif packet is _c10d.allreduce_:
-            size = sum(_bytes(t) for t in args[0])
-            self._book("all_reduce", args[1], n_to_bytes=lambda n: 2 * _ring(n) * size)
-        elif packet is _c10d.alltoall_base_:
-            inp = args[1]
-            self._book("all_to_all", args[2], n_to_bytes=lambda n: _ring(n) * _bytes(inp))
-        elif packet is _c10d.send:
-            self._book("send", args[1], sent=sum(_bytes(t) for t in args[0]))
-        elif packet is _functional.all_gather_into_tensor:
-            inp = args[0]
-            self._book("all_gather", args[2], n_to_bytes=lambda n: (n - 1) * _bytes(inp))
-        elif packet is _functional.reduce_scatter_tensor:
-            inp = args[0]
-            self._book("reduce_scatter", args[3], n_to_bytes=lambda n: _ring(n) * _bytes(inp))
-        elif packet is _functional.all_reduce:
-            inp = args[0]
-            self._book("all_reduce", args[2], n_to_bytes=lambda n: 2 * _ring(n) * _bytes(inp))
-        elif packet is _functional.all_to_all_single:
-            inp = args[0]
-            self._book("all_to_all", args[3], n_to_bytes=lambda n: _ring(n) * _bytes(inp))
+        if (known := _OPS.get(packet)) is not None:
+            op, input_at, group_at = known
+            self._book(op, args[input_at], args[group_at])
         elif str(packet).startswith(("c10d.", "_c10d_functional.")) and str(packet) not in _NOT_SENDING:
             self.calls[f"uncounted:{packet}"] += 1  # a collective this model does not size: the test shows it
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 # The dimensions a flattened mesh spans; it is booked to the one of size > 1, or under its own name if several are.
