@@ -4,9 +4,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 # CPU wheel; GPU users install a CUDA build of torch into .venv first (see README).
 TORCH_SPEC ?= torch==2.13.0
-# Test files run two at a time (pytest-xdist, one file per worker so its module fixtures run once): the suite waits
-# more than it computes (ranks on each other's collectives, restarts, timeouts), which left a 2-core machine 70% idle.
-TEST_JOBS ?= 2
 
 .PHONY: venv train test clean
 
@@ -23,7 +20,7 @@ train: venv
 	$(BIN)/meshloom train --config configs/llama3_debug.toml $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -q $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
