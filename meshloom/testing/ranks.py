@@ -75,5 +75,5 @@ def _read_logs(log_dir: str, world_size: int, tail: int | None = None) -> str:
     for r in range(world_size):
         path = Path(log_dir) / f"rank{r}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
-        parts.append(f"--- rank {r} ---\n{text[-tail:] if tail else text}" if tail else text)
+        parts.append(f"--- rank {r} ---\n{text[-tail:]}" if tail else text)
     return "\n".join(parts)
