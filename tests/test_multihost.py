@@ -122,11 +122,13 @@ def test_elastic_run_continues_on_the_host_left_with_the_data_parallel_degree_ha
     train = train_args(str(recipe), common + faults + ["--metrics.log_freq", "1", "--job.dump_folder", str(run_dir)])
     head = hosts[0][2]
     procs = []
+    # After host 1 is lost, host 0's re-rendezvous waits last_call_timeout for a second host before it goes on
+    # alone: 10 s, still far more than the two agents, started together, need to reach the first rendezvous.
     for node, (ns, interface, address) in enumerate(hosts):
         env = [f"PYTHONPATH={REPO}", "OMP_NUM_THREADS=1", f"GLOO_SOCKET_IFNAME={interface}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
         rendezvous = [
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{PORT + 1}", "--rdzv-id", f"elastic-{os.getpid()}",
-            "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=20", "--local-addr", address,
+            "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=10", "--local-addr", address,
         ]  # fmt: skip
         args = torchrun_args(ClusterShape(nodes=2, gpus_per_node=1, min_nodes=1), 1, rendezvous, train)
         cmd = ["ip", "netns", "exec", ns, "env", *env, sys.executable, "-m", "torch.distributed.run", *args]
