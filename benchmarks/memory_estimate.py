@@ -1,15 +1,28 @@
 """The memory estimator against measured CPU runs: parameters, gradients, optimizer state and activations per rank.
 
     PYTHONPATH=. .venv/bin/python benchmarks/memory_estimate.py [--flavor debug] [--seq-len 128] [--batch 2]
+    PYTHONPATH=. .venv/bin/python benchmarks/memory_estimate.py --table     # every family x layout x AC mode
+        [--save measured.json]        # keep the measured bytes per layout and rank
+        [--measured measured.json]    # compare a changed estimator with them without training again
 
-Each layout trains two steps of a small model under torchrun (gloo). The second step runs inside torch's
+Layouts that need the same number of ranks run in turn inside one launch of gloo ranks forked from an imported
+process (meshloom/testing/ranks.py: a fresh interpreter costs each rank its imports, several seconds on a small
+machine). The estimate is computed by the launcher from each layout's plan.
+
+Each layout trains two steps of a small model. The second step runs inside torch's
 memory tracker (`FSDPMemTracker` with FSDP, `MemTracker` otherwise), which follows every tensor storage and
 sorts it into parameters, gradients, optimizer state, activations and temporaries; the activation figure is
 the tracker's at its peak. Tensors that activation checkpointing recomputes in backward are activations too
 (`book_recomputation_as_activations`): with them, the peak of a checkpointed run is the backward of its last
 block, not the end of forward. Parameters, gradients (kept after the step) and optimizer state are counted
 from the local shards. Each is divided by the estimate of `meshloom.planning.memory_estimate` for the same
-rank (the rank furthest from 1 shown). Targets: parameters, gradients and optimizer exact; activations within 20%.
+rank (the rank furthest from 1 shown). Targets: parameters, gradients and optimizer exact; activations within 20%
+(the table's aim: 0.9-1.1).
+
+The activation figure leaves out the moments in which FSDP gathers parameters (`unshard_phase`): the trackers book
+the all-gather's output buffer as an activation when it is allocated and as "All Gather" only once the collective
+runs, so a per-op activation peak would otherwise count a whole gathered block (the largest FSDP unit's
+parameters) as activations.
 """
 
 from __future__ import annotations
@@ -17,9 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import weakref
 from pathlib import Path
@@ -27,8 +37,10 @@ from pathlib import Path
 import torch
 import torch.utils.checkpoint
 
+from meshloom.config.errors import UserError
 from meshloom.observe.metrics import local_tensor_bytes
 from meshloom.testing.layout_parity import ParityCase
+from meshloom.testing.ranks import RanksFailed, call_in_file, run_ranks
 
 LAYOUTS = [
     "",  # one process
@@ -54,6 +66,42 @@ LAYOUTS = [
 ]
 # Largest allowed |measured / estimated - 1|: parameters, gradients and optimizer state are counted exactly.
 TARGETS = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.20}
+
+# The table (--table): each family at a small shape (2 blocks; the MoE families' second block is sparse, DeepSeek-V3's
+# prediction module is a third), under every layout its shape allows and each activation-checkpointing mode.
+TABLE_MODELS = {
+    "llama3": "model.name=llama3,model.flavor=debug,model.n_layers=2",
+    "qwen3": "model.name=qwen3,model.flavor=debug,model.n_layers=2",
+    "qwen3 MoE": "model.name=qwen3,model.flavor=debug_moe,model.n_layers=2",
+    "deepseek_v3": "model.name=deepseek_v3,model.flavor=debug,model.n_layers=2",
+}
+MOE_MODELS = ("qwen3 MoE", "deepseek_v3")
+TABLE_LAYOUTS = {
+    "1 process": "",
+    "FSDP 2": "dp_shard=2",
+    "TP 2": "tp=2",
+    "PP 2": "pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1",
+    "EP 2": "dp_shard=2,ep=2",
+    "CP 2": "cp=2",
+    "FSDP 2 x TP 2": "dp_shard=2,tp=2",
+}
+AC_MODES = ("none", "full", "selective_op")
+# Cells that need another shape: Qwen3 `debug` ties its embedding to the output, which pipeline parallelism refuses,
+# so its PP row runs the untied `tiny` (dim 64, vocabulary 512).
+TABLE_OVERRIDES = {("qwen3", "PP 2"): "model.flavor=tiny"}
+
+
+def table_specs() -> dict[tuple[str, str, str], str]:
+    """(model, layout, AC mode) -> the layout spec the benchmark runs."""
+    specs = {}
+    for model, model_spec in TABLE_MODELS.items():
+        for name, layout in TABLE_LAYOUTS.items():
+            if name == "EP 2" and model not in MOE_MODELS:
+                continue
+            for ac in AC_MODES:
+                parts = [model_spec, TABLE_OVERRIDES.get((model, name), ""), layout, f"activation_checkpoint.mode={ac}"]
+                specs[(model, name, ac)] = ",".join(filter(None, parts))
+    return specs
 
 
 def overrides(spec: str) -> list[str]:
@@ -96,14 +144,27 @@ def book_recomputation_as_activations(tracker):
         torch.utils.checkpoint._recomputation_hook = original
 
 
+def unshard_phase(tracker) -> bool:
+    """Whether FSDPMemTracker is inside FSDP's pre-forward or pre-backward hook, where FSDP allocates the all-gather
+    buffer (booked as an activation until the collective re-books it) and nothing of the model runs."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPState
+
+    return getattr(tracker, "_fsdp_state", None) in (_FSDPState.PRE_FW, _FSDPState.PRE_BW)
+
+
 def track_activation_peak(tracker) -> list[int]:
     """The largest activation total the tracker holds after any op, as a one-element list filled in while
     it runs. (Its module snapshots are taken when the total peaks, which under checkpointing can miss the
-    activation peak: the recomputation runs next to gradients that are freed again by the total's peak.)"""
+    activation peak: the recomputation runs next to gradients that are freed again by the total's peak.)
+    FSDP's unshard hooks are skipped (see the module docstring): every activation alive there is still alive
+    at the model's next op, which is counted."""
     peak = [0]
     update = tracker._update_peak_stats
 
     def update_and_record(state):
+        if unshard_phase(tracker):
+            update(state)
+            return
         for by_kind in tracker._curr_mem_snap.values():
             acts = sum(v for k, v in by_kind.items() if str(getattr(k, "value", k)) == "Activation")
             peak[0] = max(peak[0], acts)
@@ -113,24 +174,19 @@ def track_activation_peak(tracker) -> list[int]:
     return peak
 
 
-def worker(args: argparse.Namespace) -> None:
+def measure_case(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path) -> dict[str, dict[str, int]]:
+    """Train `spec` for two steps on this rank and return its measured and estimated bytes by kind."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
     from meshloom.config import load_config
+    from meshloom.parallel.distributed import rank
     from meshloom.planning.layout import layout_of, precision_from_config
     from meshloom.planning.memory_estimate import estimate_memory
-    from meshloom.parallel.distributed import rank, shutdown_and_exit
     from meshloom.train.trainer import Trainer
 
-    config = load_config([
-        "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
-        "--training.steps", "2", "--validation.enable", "false", "--metrics.tensorboard", "false",
-        "--metrics.progress_bar", "false", "--metrics.peak_tflops", "1", "--data.max_bytes", "400000", "--data.vocab_size", "512",
-        "--data.cache_dir", str(args.out.parent / "cache"), "--job.dump_folder", str(args.out.parent / "run"),
-        *overrides(args.layout),
-    ])
+    config = load_config(case_args(spec, flavor, seq_len, batch, workdir))
     trainer = Trainer(config)
     trainer.train_step()  # optimizer state exists from here on
     parts = list(trainer.model) if isinstance(trainer.model, (list, torch.nn.ModuleList)) else [trainer.model]
@@ -145,35 +201,189 @@ def worker(args: argparse.Namespace) -> None:
     activation_peak = track_activation_peak(tracker)
     with tracker, book_recomputation_as_activations(tracker):
         trainer.train_step()
-    activation = activation_peak[0]
     params = [p for part in parts for p in part.parameters()]
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
     measured = {
         "params": local_tensor_bytes(params),
         "grads": local_tensor_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": local_tensor_bytes(state),
-        "activations": activation,
+        "activations": activation_peak[0],
     }
     layout = layout_of(trainer.plan)
     stage = rank() // (trainer.world_size // layout.pp)
-    estimate = estimate_memory(trainer.plan.shape(), layout, args.seq_len, precision_from_config(config), stage_index=stage)
+    estimate = estimate_memory(trainer.plan.shape(), layout, seq_len, precision_from_config(config), stage_index=stage)
     estimated = {"params": estimate.params, "grads": estimate.grads, "optimizer": estimate.optimizer, "activations": estimate.activations}
-    (args.out.parent / f"{args.out.stem}_rank{rank()}.json").write_text(json.dumps({"measured": measured, "estimated": estimated}))
+    return {"measured": measured, "estimated": estimated}
+
+
+def case_args(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path) -> list[str]:
+    """The run's settings: the benchmark's base, then the layout's (which may name another model or flavour). Each
+    case has its own folder `workdir`; the tokenized data is shared by the cases next to it."""
+    return [
+        "--model.flavor", flavor, "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch),
+        "--training.steps", "2", "--validation.enable", "false", "--metrics.tensorboard", "false",
+        "--metrics.progress_bar", "false", "--metrics.peak_tflops", "1", "--data.max_bytes", "400000", "--data.vocab_size", "512",
+        "--data.cache_dir", str(workdir.parent / "cache"), "--job.dump_folder", str(workdir / "run"),
+        *overrides(spec),
+    ]  # fmt: skip
+
+
+def worker(cases_file: Path) -> None:
+    """One rank of a launch: every case of the file in turn, each rank writing its own result per case. A case
+    that fails (the same way on every rank: a layout the trainer refuses) records its error and the next runs."""
+    import gc
+
+    from meshloom.parallel.distributed import rank, shutdown_and_exit
+
+    cases = json.loads(cases_file.read_text())
+    for case in cases:
+        out = Path(case["out"])
+        try:
+            result = measure_case(case["spec"], case["flavor"], case["seq_len"], case["batch"], out.parent)
+        except Exception as err:  # noqa: BLE001 - reported per case by the launcher
+            result = {"error": f"{type(err).__name__}: {err}".splitlines()[0]}
+        (out.parent / f"{out.stem}_rank{rank()}.json").write_text(json.dumps(result))
+        gc.collect()
     shutdown_and_exit(0)
 
 
-def measure(spec: str, args: argparse.Namespace, workdir: Path, index: int) -> list[dict] | str:
-    out = workdir / f"layout{index}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+def measure_many(specs: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, list[dict] | str]:
+    """Each spec's per-rank results (or why it did not run), one launch of forked ranks per world size."""
+    from meshloom.config import load_config
+    from meshloom.planning.run_plan import RunPlan
+
+    results: dict[str, list[dict] | str] = {}
+    by_world: dict[int, list[dict]] = {}
+    for index, spec in enumerate(dict.fromkeys(specs)):
+        n = world_size(spec)
+        case_dir = workdir / f"case{index}"
+        case_dir.mkdir(parents=True, exist_ok=True)
+        try:  # a layout the model or batch cannot take is refused here, before any rank starts
+            RunPlan.build(load_config(case_args(spec, args.flavor, args.seq_len, args.batch, case_dir)), n)
+        except (ValueError, SystemExit) as err:
+            results[spec] = f"refused: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            continue
+        case = {"spec": spec, "flavor": args.flavor, "seq_len": args.seq_len, "batch": args.batch, "out": str(case_dir / "result.json")}
+        by_world.setdefault(n, []).append(case)
+    for n, cases in sorted(by_world.items()):
+        cases_file = workdir / f"cases_world{n}.json"
+        cases_file.write_text(json.dumps(cases))
+        failure = ""
+        try:
+            run_ranks(call_in_file, n, __file__, "worker", cases_file)
+        except RanksFailed as err:  # read per case below: the cases that finished before it keep their results
+            lines = [line for line in str(err).splitlines() if "Error" in line]
+            failure = lines[-1] if lines else str(err).splitlines()[0]
+        for case in cases:
+            out = Path(case["out"])
+            files = [out.parent / f"{out.stem}_rank{r}.json" for r in range(n)]
+            if not all(f.exists() for f in files):
+                results[case["spec"]] = failure or "no result"
+                continue
+            ranks = [json.loads(f.read_text()) for f in files]
+            errors = [r["error"] for r in ranks if "error" in r]
+            results[case["spec"]] = errors[0] if errors else ranks
+    return results
+
+
+def estimate_ranks(spec: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, int]]:
+    """The estimate for each rank of `spec`, from its plan alone (no process group): the launcher's own, so that
+    saved measurements can be compared with a changed estimator without training again."""
+    from meshloom.config import load_config
+    from meshloom.planning.layout import layout_of, precision_from_config
+    from meshloom.planning.memory_estimate import estimate_memory
+    from meshloom.planning.run_plan import RunPlan
+
     n = world_size(spec)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), __file__, "--worker",
-           "--layout", spec, "--flavor", args.flavor, "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--out", str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    files = [workdir / f"{out.stem}_rank{r}.json" for r in range(n)]
-    if not all(f.exists() for f in files):
-        lines = [line for line in (result.stderr + result.stdout).splitlines() if "Error" in line]
-        return lines[-1] if lines else f"exit {result.returncode}"
-    return [json.loads(f.read_text()) for f in files]
+    config = load_config(case_args(spec, args.flavor, args.seq_len, args.batch, workdir))
+    plan = RunPlan.build(config, n)
+    layout = layout_of(plan)
+    estimates = []
+    for r in range(n):
+        e = estimate_memory(plan.shape(), layout, args.seq_len, precision_from_config(config), stage_index=r // (n // layout.pp))
+        estimates.append({"params": e.params, "grads": e.grads, "optimizer": e.optimizer, "activations": e.activations})
+    return estimates
+
+
+def with_estimates(measured: dict[str, list[dict] | str], args: argparse.Namespace, workdir: Path) -> dict[str, list[dict] | str]:
+    """Measured per-rank bytes joined with the current estimator's figures for the same ranks."""
+    results: dict[str, list[dict] | str] = {}
+    for spec, ranks in measured.items():
+        if isinstance(ranks, str):
+            results[spec] = ranks
+            continue
+        estimates = estimate_ranks(spec, args, workdir)
+        results[spec] = [{"measured": r["measured"], "estimated": e} for r, e in zip(ranks, estimates, strict=True)]
+    return results
+
+
+def measure(spec: str, args: argparse.Namespace, workdir: Path, index: int) -> list[dict] | str:
+    """One layout's per-rank results (or why it did not run), in its own launch."""
+    return measure_many([spec], args, workdir / f"layout{index}")[spec]
+
+
+def ratios_of(ranks: list[dict]) -> dict[str, float]:
+    """Measured / estimated per kind, on the rank whose ratio is furthest from 1."""
+    ratios = {}
+    for kind in TARGETS:
+        pairs = [(r["measured"][kind], r["estimated"][kind]) for r in ranks]
+        ratios[kind] = max(((m / e if e else float("inf")) for m, e in pairs), key=lambda x: abs(x - 1))
+    return ratios
+
+
+def print_layouts(specs: list[str], results: dict[str, list[dict] | str], args: argparse.Namespace) -> None:
+    width = max(len(spec) for spec in specs + ["1 process"])
+    print(f"model {args.flavor}, seq {args.seq_len}, batch {args.batch}, fp32: measured / estimated per rank (worst rank)")
+    print(f"{'layout':<{width}} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'act MiB':>8}")
+    worst = dict.fromkeys(TARGETS, 0.0)
+    for spec in specs:
+        ranks = results[spec]
+        if isinstance(ranks, str):
+            print(f"{spec or '1 process':<{width}} not run: {ranks}")
+            continue
+        ratios = ratios_of(ranks)
+        for kind in TARGETS:
+            worst[kind] = max(worst[kind], abs(ratios[kind] - 1))
+        act_mib = max(r["measured"]["activations"] for r in ranks) / 2**20
+        print(f"{spec or '1 process':<{width}} " + " ".join(f"{ratios[k]:>8.3f}" for k in TARGETS) + f" {act_mib:>8.2f}")
+    print("largest deviation: " + ", ".join(f"{k} {worst[k] * 100:.1f}% (target {TARGETS[k] * 100:.0f}%)" for k in TARGETS))
+
+
+def print_table(results: dict[str, list[dict] | str], args: argparse.Namespace) -> None:
+    """Activations measured / estimated per family, layout and AC mode (worst rank); parameters, gradients and
+    optimizer state listed only where they are not exact."""
+    specs = table_specs()
+    print(f"seq {args.seq_len}, batch {args.batch}, fp32; activations measured / estimated on the rank furthest from 1 "
+          f"[/ on the busiest rank, where that differs] (measured MiB on the busiest rank); AC modes {', '.join(AC_MODES)}")  # fmt: skip
+    for model, model_spec in TABLE_MODELS.items():
+        print(f"\n{model} ({model_spec})")
+        print(f"{'layout':<14} " + " ".join(f"{ac:>22}" for ac in AC_MODES))
+        for name in TABLE_LAYOUTS:
+            if (model, name, AC_MODES[0]) not in specs:
+                continue
+            cells, notes = [], []
+            if (model, name) in TABLE_OVERRIDES:
+                notes.append(f"  with {TABLE_OVERRIDES[(model, name)]}")
+            for ac in AC_MODES:
+                ranks = results[specs[(model, name, ac)]]
+                if isinstance(ranks, str):
+                    cells.append(f"{'not run':>22}")
+                    notes.append(f"  {ac}: {ranks}")
+                    continue
+                ratios = ratios_of(ranks)
+                busiest = max(ranks, key=lambda r: r["measured"]["activations"])
+                mib = busiest["measured"]["activations"] / 2**20
+                at_busiest = busiest["measured"]["activations"] / busiest["estimated"]["activations"]
+                ratio = f"{ratios['activations']:.3f}"
+                if abs(at_busiest - ratios["activations"]) > 0.005:
+                    ratio += f"/{at_busiest:.3f}"
+                cells.append(f"{ratio:>13} ({mib:6.2f})")
+                inexact = {k: round(v, 4) for k, v in ratios.items() if k != "activations" and v != 1.0}
+                if inexact:
+                    notes.append(f"  {ac}: not exact {inexact}")
+            print(f"{name:<14} " + " ".join(cells))
+            for note in notes:
+                print(note)
 
 
 def main() -> None:
@@ -182,33 +392,28 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--layouts", default=";".join(LAYOUTS), help="';'-separated layouts (degrees or dotted config keys)")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--layout", default="")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--table", action="store_true", help="every family x layout x AC mode (TABLE_MODELS, TABLE_LAYOUTS)")
+    parser.add_argument("--save", type=Path, help="write the measured bytes per layout and rank to this JSON file")
+    parser.add_argument("--measured", type=Path, help="compare the estimator with the measurements of an earlier --save "
+                        "instead of training again")  # fmt: skip
     args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
     workdir = Path(tempfile.mkdtemp(prefix="meshloom-memory-estimate-"))
-    specs = args.layouts.split(";")
-    width = max(len(spec) for spec in specs + ["1 process"])
-    print(f"model {args.flavor}, seq {args.seq_len}, batch {args.batch}, fp32: measured / estimated per rank (worst rank)")
-    print(f"{'layout':<{width}} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'act MiB':>8}")
-    worst = dict.fromkeys(TARGETS, 0.0)
-    for index, spec in enumerate(specs):
-        ranks = measure(spec, args, workdir, index)
-        if isinstance(ranks, str):
-            print(f"{spec or '1 process':<{width}} not run: {ranks}")
-            continue
-        ratios = {}
-        for kind in TARGETS:
-            pairs = [(r["measured"][kind], r["estimated"][kind]) for r in ranks]
-            # The rank whose ratio is furthest from 1.
-            ratios[kind] = max(((m / e if e else float("inf")) for m, e in pairs), key=lambda x: abs(x - 1))
-            worst[kind] = max(worst[kind], abs(ratios[kind] - 1))
-        act_mib = max(r["measured"]["activations"] for r in ranks) / 2**20
-        print(f"{spec or '1 process':<{width}} " + " ".join(f"{ratios[k]:>8.3f}" for k in TARGETS) + f" {act_mib:>8.2f}")
-    print("largest deviation: " + ", ".join(f"{k} {worst[k] * 100:.1f}% (target {TARGETS[k] * 100:.0f}%)" for k in TARGETS))
+    specs = list(table_specs().values()) if args.table else args.layouts.split(";")
+    if args.measured:
+        saved = json.loads(args.measured.read_text())
+        missing = [spec for spec in specs if spec not in saved]
+        if missing:
+            raise UserError(f"{args.measured} has no measurement of {missing[0]!r}; run without --measured to take it")
+        measured = {spec: saved[spec] for spec in specs}
+    else:
+        measured = measure_many(specs, args, workdir)
+    if args.save:
+        args.save.write_text(json.dumps(measured, indent=1))
+    results = with_estimates(measured, args, workdir / "estimate")
+    if args.table:
+        print_table(results, args)
+    else:
+        print_layouts(specs, results, args)
 
 
 if __name__ == "__main__":

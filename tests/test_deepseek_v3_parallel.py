@@ -145,7 +145,7 @@ def _memory_benchmark():
 
 @pytest.mark.parametrize("layout", MEASURED_LAYOUTS)
 def test_estimate_matches_tracked_memory_of_debug(tmp_path, layout):
-    """`debug` cut to 2 blocks (one dense, one MoE) with its MoE prediction module, trained under torchrun: local
+    """`debug` cut to 2 blocks (one dense, one MoE) with its MoE prediction module, trained on gloo ranks: local
     shards exactly and the memory tracker's activation peak (MLA, routed and shared experts, the prediction module;
     recomputation included) within the llama3 bound of 20% of the estimate."""
     bench = _memory_benchmark()

@@ -246,7 +246,7 @@ def test_dry_run_of_235b_a22b_with_ep_8_on_256_ranks(capsys) -> None:
 
 
 def test_memory_estimate_matches_a_measured_expert_parallel_run(tmp_path) -> None:
-    """debug_moe shrunk to 2 blocks under EP 2 (torchrun, 2 steps): local shards of parameters, gradients and
+    """debug_moe shrunk to 2 blocks under EP 2 (gloo ranks, 2 steps): local shards of parameters, gradients and
     optimizer state exactly, the tracked activations within 20% of the estimate."""
     import argparse
     import importlib.util

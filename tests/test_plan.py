@@ -129,7 +129,7 @@ def test_selective_layer_estimate_lies_between_none_and_full():
 
 def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
     """FSDP 2 with full checkpointing, TP 2 with selective_op, PP 2, and one process checkpointing every second
-    block, under torchrun: local shards (exactly) and the memory tracker's activations (recomputation included,
+    block, on forked gloo ranks: local shards (exactly) and the memory tracker's activations (recomputation included,
     within 20%) vs the estimate."""
     import argparse
     import importlib.util
@@ -146,8 +146,7 @@ def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
         "pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1",
         "activation_checkpoint.mode=selective_layer,activation_checkpoint.every_k_layers=2",
     )
-    for index, layout in enumerate(layouts):
-        ranks = bench.measure(layout, args, tmp_path, index)
+    for layout, ranks in bench.measure_many(list(layouts), args, tmp_path).items():
         assert not isinstance(ranks, str), f"{layout}: {ranks}"
         for result in ranks:
             for kind, tolerance in bench.TARGETS.items():

@@ -76,9 +76,27 @@ class ShapeModel(ABC):
 
     # ------------------------------------------------------------------ generic, overridable
 
-    def last_stage_extra_activation_bytes_per_token(self, ac: str, tp: int, act_bytes: int, loss_parallel: bool) -> float:
+    def last_stage_extra_activation_bytes_per_token(
+        self, ac: str, tp: int, act_bytes: int, loss_parallel: bool, ep: int = 1
+    ) -> float:
         """Bytes per token the last pipeline stage keeps for backward beyond its blocks, the final norm and the
         next-token logits (training-only heads such as multi-token prediction); none by default."""
+        return 0.0
+
+    def last_stage_recompute_bytes_per_token(
+        self, ac: str, tp: int, act_bytes: int, loss_parallel: bool, ep: int = 1
+    ) -> float:
+        """Bytes per token the last pipeline stage holds beyond what it keeps for backward (its blocks, root and
+        `last_stage_extra_activation_bytes_per_token`) when backward recomputes a checkpointed block of a training-only
+        head, after the losses' own tensors are freed; none by default."""
+        return 0.0
+
+    def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
+        """Bytes per token that block `layer`'s forward holds at its busiest op beyond everything mode "none" keeps of
+        the block, under tensor-parallel degree `tp` and expert-parallel degree `ep`: tensors that live only between
+        two ops of the block. They count where little else is alive: in a recomputation in backward, next to the whole
+        block's recomputed activations, and in the first forward of a stage's last block when no loss follows it.
+        None by default."""
         return 0.0
 
     def root_params(self, first: bool, last: bool) -> list[ParamShape]:

@@ -17,7 +17,9 @@ What one rank holds, by kind:
   a pipeline rank holds at once. Under checkpointing that peak is usually not the end of forward but the
   backward of the last block: its recomputed activations live next to the saved inputs of every block
   (see `recompute_peak_bytes_per_token`); without it, the end of forward, where the fp32 logits are alive
-  until the loss is taken;
+  until the loss is taken (with a third vocabulary-wide tensor under loss parallel), or, on a pipeline stage
+  without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
+  copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it;
 - transient: the logits' gradient at the start of backward.
 
 The peak is parameters + optimizer + the larger of the activation phase (the activation peak, or the
@@ -180,13 +182,14 @@ def pipeline_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def recompute_peak_bytes_per_token(shape: ShapeModel, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+def recompute_peak_bytes_per_token(shape: ShapeModel, layer: int, ac: str, tp: int, act_bytes: int, ep: int = 1) -> float:
     """Bytes per token that the backward of one checkpointed block adds to what its forward kept.
 
     Recomputation rebuilds everything that mode "none" keeps and `ac` does not (selective_op reuses the
     kept matmul outputs). The block input, kept by the checkpoint, is one of the tensors "none" counts only
     in fp32, where the attention norm's fp32 copy of its input is the input itself; in a narrower dtype
-    the copy is a new tensor.
+    the copy is a new tensor. On top of that, the family's short-lived tensors of the recomputed forward
+    (`ShapeModel.block_transient_bytes_per_token`: a MoE block's routed output before un-permutation).
     """
     if ac == "none":
         return 0.0
@@ -194,12 +197,13 @@ def recompute_peak_bytes_per_token(shape: ShapeModel, layer: int, ac: str, tp: i
     shared_input = block_input if act_bytes == FP32 else 0.0
     none = shape.block_activation_bytes_per_token(layer, "none", tp, act_bytes)
     kept = shape.block_activation_bytes_per_token(layer, ac, tp, act_bytes)
-    return none - (kept - block_input) - shared_input
+    transient = shape.block_transient_bytes_per_token(layer, tp, ep, act_bytes)
+    return none - (kept - block_input) - shared_input + transient
 
 
 def root_activation_bytes_per_token(
     shape: ShapeModel, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True,
-    ac: str = "none",
+    ac: str = "none", ep: int = 1,
 ) -> float:  # fmt: skip
     """The embedding's indices on the first stage; the final norm and the fp32 log-softmax on the last, and whatever
     else the family keeps there (`first`/`last` = False leaves that end out)."""
@@ -210,7 +214,7 @@ def root_activation_bytes_per_token(
         d, a = shape.dim, act_bytes
         vocab = shape.vocab_size / tp if (tp > 1 and loss_parallel) else shape.vocab_size
         total += (FP32 * d + a * d) / tp + a * d + FP32 * vocab
-        total += shape.last_stage_extra_activation_bytes_per_token(ac, tp, act_bytes, loss_parallel)
+        total += shape.last_stage_extra_activation_bytes_per_token(ac, tp, act_bytes, loss_parallel, ep)
     return total
 
 
@@ -293,9 +297,10 @@ def estimate_memory(
         state_elems = sum(state[id(block)] for block in blocks) + optimizer_state_numel(roots, layout, optimizer)
         optimizer_bytes = FP32 * state_elems if with_optimizer else 0
         grads = FP32 * param_elems
-        if layout.tp > 1 and not sharded_data_parallel and stage.first:
+        if layout.tp > 1 and not sharded_data_parallel and stage.first and not shape.tie_embeddings:
             # DTensor's embedding backward returns the table's gradient replicated, not vocabulary-sharded
-            # (measured in torch 2.13); FSDP's reduce-scatter would shard it again.
+            # (measured in torch 2.13); FSDP's reduce-scatter would shard it again. A table tied to the output
+            # projection receives the projection's sharded gradient first, and the embedding's is added into it.
             grads += FP32 * (shape.vocab_size - _split(shape.vocab_size, layout.tp)) * shape.dim
         if sharded_data_parallel and fsdp > 1 and accumulate:
             # set_requires_gradient_sync(False) keeps unsharded gradients between microbatches.
@@ -317,21 +322,37 @@ def estimate_memory(
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
         modes = layout.block_ac_modes(stage.block_ids)
         per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
-        per_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, ac=layout.ac) + held_output
+        per_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep) + held_output
         saved = stage.inflight * tokens * (sum(per_layer) + per_root)
         # Backward of a checkpointed block j in one microbatch: that microbatch's loss-side activations and
         # the blocks after j are freed by then, j's recomputed activations live (largest for the last such j).
         others = (stage.inflight - 1) * tokens * (sum(per_layer) + per_root)
-        first_side = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False) + held_output
+        first_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False)
+        first_side = first_root + held_output
         recompute_peak, kept_so_far = 0.0, 0.0
         for layer, mode, kept in zip(stage.block_ids, modes, per_layer):
             kept_so_far += kept
             if mode != "none":
-                recompute = _recompute_peak(shape, layer, mode, layout.tp, a)
+                recompute = _recompute_peak(shape, layer, mode, layout.tp, a, layout.ep)
                 recompute_peak = max(recompute_peak, others + tokens * (kept_so_far + first_side + recompute))
+            else:
+                # The block's own short-lived tensors in its first forward: they outgrow what the rest of the
+                # forward adds when little follows the block (the last block of a stage without the loss).
+                transient = shape.block_transient_bytes_per_token(layer, layout.tp, layout.ep, a)
+                if transient:
+                    recompute_peak = max(recompute_peak, others + tokens * (kept_so_far + first_root + transient))
         # Without a pipeline, the fp32 logits live next to their log-softmax until the loss is taken.
         loss_logits = logits if layout.pp == 1 else 0.0
-        activations = int(max(saved + tokens * loss_logits, recompute_peak))
+        # Loss parallel's log-softmax over vocabulary shards (DTensor's) keeps the max-shifted logits next to its
+        # input and its result until it returns: a third vocabulary-wide tensor while the loss is taken (the fused
+        # one-device kernel makes none).
+        loss_shift = logits if (layout.tp > 1 and loss_parallel) else 0.0
+        # A training-only head's block recomputed in backward (DeepSeek-V3's prediction modules): the loss's logits
+        # and log-softmaxes are freed by then, everything else the stage keeps is alive.
+        if stage.last:
+            head = shape.last_stage_recompute_bytes_per_token(layout.ac, layout.tp, a, loss_parallel, layout.ep)
+            recompute_peak = max(recompute_peak, stage.inflight * tokens * (sum(per_layer) + per_root) + tokens * head)
+        activations = int(max(saved + tokens * (loss_logits + loss_shift), recompute_peak))
         logits_grad = 2 * FP32 * vocab if stage.last else 0.0  # log-softmax's gradient and its input's
         transient = int(tokens * logits_grad)
         grads_during_forward = grads if (accumulate or layout.pp > 1) else 0

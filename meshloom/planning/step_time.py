@@ -45,6 +45,8 @@ class Cluster:
     peak_tflops: float = 989.0
     mfu: float = 0.4
     headroom: float = 0.9  # usable share of GPU memory (CUDA context, NCCL buffers, fragmentation)
+    # Measured per-rank bus bandwidth in bytes/s (inside a node, between nodes) in place of the interconnect's.
+    bandwidth: tuple[float, float] | None = None
 
     @property
     def usable_bytes(self) -> float:
@@ -75,7 +77,7 @@ def link_bandwidth(layout: Layout, dim: str, cluster: Cluster) -> float:
             span *= getattr(layout, name)
             if name == dim:
                 break
-    intra, inter = INTERCONNECTS[cluster.interconnect]
+    intra, inter = cluster.bandwidth or INTERCONNECTS[cluster.interconnect]
     return intra if span <= cluster.gpus_per_node else inter
 
 

@@ -70,6 +70,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> str:
         return _read_logs(log_dir, world_size)
 
 
+def call_in_file(path: str, name: str, *args: Any) -> None:
+    """A rank entry for a function of a script file that is not importable by module name (a benchmark): the rank
+    loads the file as a module of its own and calls `name(*args)`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_ranks_{Path(path).stem}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    getattr(module, name)(*args)
+
+
 def _read_logs(log_dir: str, world_size: int, tail: int | None = None) -> str:
     parts = []
     for r in range(world_size):

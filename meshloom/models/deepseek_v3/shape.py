@@ -141,31 +141,50 @@ class DeepSeekV3Shape(ShapeModel):
         shared = 4 * a * f * x.n_shared_experts / tp
         return routed + router + shared
 
-    def last_stage_extra_activation_bytes_per_token(self, ac: str, tp: int, act_bytes: int, loss_parallel: bool) -> float:
+    def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
+        """As Qwen3's (meshloom.models.qwen3.shape): a sparse block's routed copies that backward does not keep (1 x aKD
+        in one process, 4 x aKD under expert parallel) against the shared experts' SwiGLU (4aF/tp per shared expert)."""
+        x = self.args
+        if not x.is_moe_layer(layer):
+            return 0.0
+        a, copies = act_bytes, (4 if ep > 1 else 1)
+        return max(0.0, copies * a * x.n_activated_experts * x.dim - 4 * a * x.moe_inter_dim * x.n_shared_experts / tp)
+
+    def last_stage_extra_activation_bytes_per_token(
+        self, ac: str, tp: int, act_bytes: int, loss_parallel: bool, ep: int = 1
+    ) -> float:
         """Each prediction depth keeps its two input norms and their concatenation (on the sequence shard), its block
         (checkpointed like the main blocks under full or selective_op, else whole), its output norm and the fp32
-        log-softmax of its logits (the logits themselves are freed once the loss is taken).
-
-        Under checkpointing the stage may peak when backward recomputes the last depth's block. The next-token
-        loss's nodes are the newest, so its backward runs first and stops at the last main block's output, which
-        waits for the prediction modules' gradient: by then the next-token log-softmax and final norm are freed, and
-        so is the last depth's log-softmax, while every block input and the other depths are alive. What that
-        moment holds beyond the end of forward is added here."""
+        log-softmax of its logits (the logits themselves are freed once the loss is taken)."""
         d, a = self.dim, act_bytes
         vocab = self.vocab_size / tp if (tp > 1 and loss_parallel) else self.vocab_size
         mode = ac if ac in ("full", "selective_op") else "none"
         per_depth = 2 * (FP32 + a) * d / tp + 2 * a * d / tp + (FP32 + a) * d / tp + a * d + FP32 * vocab
         depth = self.args.mtp_depth
         blocks = [self.block_activation_bytes_per_token(self.n_layers + k, mode, tp, act_bytes) for k in range(depth)]
-        total = depth * per_depth + sum(blocks)
-        if mode != "none" and depth:
-            last = self.n_layers + depth - 1
-            block_input = a * d / tp
-            recompute = self.block_activation_bytes_per_token(last, "none", tp, a) - (blocks[-1] - block_input)
-            recompute -= block_input if a == FP32 else 0  # the fp32 norm's input copy is the kept input itself
-            freed = 2 * FP32 * vocab + (FP32 * d + a * d) / tp + a * d  # both log-softmaxes and the final norm
-            total += max(0.0, recompute - freed)
-        return total
+        return depth * per_depth + sum(blocks)
+
+    def last_stage_recompute_bytes_per_token(
+        self, ac: str, tp: int, act_bytes: int, loss_parallel: bool, ep: int = 1
+    ) -> float:
+        """Under checkpointing the stage may peak when backward recomputes the last depth's block. By then both
+        losses' log-softmaxes are freed (each head's backward runs before the blocks below it), while the final
+        norm's tensors, every main block's input and the other depths are still alive: the tracker finds the
+        prediction branch's block recomputed before the final norm's backward, so that norm is not counted as freed.
+        What that moment holds beyond what the stage keeps for backward."""
+        depth = self.args.mtp_depth
+        if ac not in ("full", "selective_op") or not depth:
+            return 0.0
+        d, a = self.dim, act_bytes
+        vocab = self.vocab_size / tp if (tp > 1 and loss_parallel) else self.vocab_size
+        last = self.n_layers + depth - 1
+        block_input = a * d / tp
+        kept = self.block_activation_bytes_per_token(last, ac, tp, a)
+        recompute = self.block_activation_bytes_per_token(last, "none", tp, a) - (kept - block_input)
+        recompute -= block_input if a == FP32 else 0  # the fp32 norm's input copy is the kept input itself
+        recompute += self.block_transient_bytes_per_token(last, tp, ep, a)
+        freed = 2 * FP32 * vocab  # the next-token and the last depth's log-softmax
+        return max(0.0, recompute - freed)
 
     # ------------------------------------------------------------------ FLOPs and context parallel
 
