@@ -80,3 +80,21 @@ def _fail_on_rank_one(marker: str) -> None:
 def test_a_failing_rank_stops_the_launch_with_its_error() -> None:
     with pytest.raises(RanksFailed, match=r"(?s)_fail_on_rank_one on 2 ranks failed: .*ValueError: rank 1 fails: seen"):
         run_ranks(_fail_on_rank_one, 2, "seen")
+
+
+def test_command_refuses_a_folder_or_plot_it_did_not_make(tmp_path) -> None:
+    """`meshloom parity` writes runs, a data cache and curves into --workdir: a folder holding anything, or a plot file
+    that exists, is refused before any training, and left as it was."""
+    from meshloom.cli.parity import main
+    from meshloom.config.errors import UserError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match=r"--workdir .*mine is not an empty folder"):
+        main(["--layout", "dp_shard=2", "--workdir", str(mine)])
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
+    (tmp_path / "curves.png").write_bytes(b"png")
+    with pytest.raises(UserError, match=r"--plot .*curves.png exists"):
+        main(["--layout", "dp_shard=2", "--workdir", str(tmp_path / "new"), "--plot", str(tmp_path / "curves.png")])
+    assert not (tmp_path / "new").exists() and (tmp_path / "curves.png").read_bytes() == b"png"

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshloom.config.errors import UserError
 from meshloom.testing import layout_parity
 
 
@@ -18,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
     args = parser.parse_args(argv)
+    # Both are checked before any training: a user's folder or file is never written into or replaced.
+    if args.workdir is not None and args.workdir.exists() and (not args.workdir.is_dir() or any(args.workdir.iterdir())):
+        raise UserError(f"parity: --workdir {args.workdir} is not an empty folder; the runs, data cache and curves go there: name a new or empty one")
+    if args.plot is not None and args.plot.exists():
+        raise UserError(f"parity: --plot {args.plot} exists; name a new file")
     reference, comparisons = layout_parity.compare(args.layout, args.steps, args.workdir, args.common)
     print(f"{'layout':<40} {'ranks':>5} {'max |dloss|':>12} {'|dgrad_norm|':>13} {'tolerance':>10}  result")
     for c in comparisons:
