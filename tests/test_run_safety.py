@@ -136,6 +136,18 @@ def test_a_fresh_run_refuses_a_folder_that_holds_another_run(straight, workdir: 
         run_case(Case("again", str(run_dir), steps=2), workdir)
 
 
+def test_a_run_refuses_a_folder_whose_config_json_is_not_a_runs(tmp_path: Path, workdir: Path) -> None:
+    """A model folder (here a Hugging Face config.json) named as job.dump_folder is refused before anything is built,
+    and its file is left as it was: the run would have replaced it with its own config.json."""
+    folder = tmp_path / "my_model"
+    folder.mkdir()
+    original = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    (folder / "config.json").write_text(original)
+    with pytest.raises(ConfigError, match=r"holds a config.json that is not a meshloom run's .* choose another --job.dump_folder"):
+        run_case(Case("model_folder", str(folder), steps=2), workdir)
+    assert [p.name for p in folder.iterdir()] == ["config.json"] and (folder / "config.json").read_text() == original
+
+
 def test_resume_marks_metrics_and_keeps_the_first_config(straight, tmp_path: Path, workdir: Path) -> None:
     reference, run_dir = straight
     copy = tmp_path / "run"

@@ -31,12 +31,27 @@ def check_run_folder(config: Config, run_dir: Path, attempt: int) -> None:
         raise ConfigError(f"job.dump_folder {run_dir} cannot be created ({err.strerror}); choose a writable folder") from None
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"job.dump_folder {run_dir} is not writable; choose a writable folder")
+    own = run_dir / CONFIG_FILE
+    if own.is_file() and not _is_run_config(own):
+        raise ConfigError(
+            f"job.dump_folder {run_dir} holds a {CONFIG_FILE} that is not a meshloom run's (a model's?), which the run "
+            f"would replace with its own; choose another --job.dump_folder"
+        )
     metrics = run_dir / METRICS_FILE
     if not config.checkpoint.resume and attempt == 0 and metrics.is_file() and metrics.stat().st_size > 0:
         raise ConfigError(
             f"job.dump_folder {run_dir} already holds a run ({METRICS_FILE}); a new run there would mix two runs' "
             f"metrics. Choose another --job.dump_folder, or pass --checkpoint.resume true to continue that run"
         )
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether `path` is a config.json a meshloom run wrote (its sections), not another program's file of that name."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(saved, dict) and {"job", "model", "training"} <= saved.keys()
 
 
 def write_run_config(config: Config, run_dir: Path, start_step: int) -> Path:
