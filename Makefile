@@ -19,7 +19,7 @@ $(BIN)/meshloom: pyproject.toml
 train: venv
 	$(BIN)/meshloom train --config configs/llama3_debug.toml $(ARGS)
 
-# The suite starts a few hundred Python processes (torchrun ranks, restarts, command-line runs); bytecode compiled
+# The suite starts about 140 Python processes (torchrun ranks, restarts, command-line runs); bytecode compiled
 # once here spares each of them compiling meshloom again where PYTHONDONTWRITEBYTECODE keeps imports from caching it.
 test: venv
 	$(BIN)/python -m compileall -q meshloom
