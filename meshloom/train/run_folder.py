@@ -1,7 +1,8 @@
 """The run folder (job.dump_folder): checked before anything is built, and never shared by two runs.
 
 A fresh run refuses a folder that already holds another run's metrics, because appending would plot two runs
-as one curve; continuing a run is what checkpoint.resume is for. A torchrun restart (attempt > 0) is the same
+as one curve; continuing a run is what checkpoint.resume is for. Any run refuses a folder whose config.json is not
+a meshloom run's (a model folder named by mistake): the run would replace that file with its own. A torchrun restart (attempt > 0) is the same
 run, so it may continue in its folder. Resumed runs and restarts are marked in metrics.jsonl (an "event" row),
 so `meshloom report` shows where a curve was continued.
 """
