@@ -175,15 +175,12 @@ def track_activation_peak(tracker) -> list[int]:
 
 
 def measure_case(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path) -> dict[str, dict[str, int]]:
-    """Train `spec` for two steps on this rank and return its measured and estimated bytes by kind."""
+    """Train `spec` for two steps on this rank and return its measured bytes by kind (the launcher estimates)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
     from meshloom.config import load_config
-    from meshloom.parallel.distributed import rank
-    from meshloom.planning.layout import layout_of, precision_from_config
-    from meshloom.planning.memory_estimate import estimate_memory
     from meshloom.train.trainer import Trainer
 
     config = load_config(case_args(spec, flavor, seq_len, batch, workdir))
@@ -209,11 +206,7 @@ def measure_case(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path
         "optimizer": local_tensor_bytes(state),
         "activations": activation_peak[0],
     }
-    layout = layout_of(trainer.plan)
-    stage = rank() // (trainer.world_size // layout.pp)
-    estimate = estimate_memory(trainer.plan.shape(), layout, seq_len, precision_from_config(config), stage_index=stage)
-    estimated = {"params": estimate.params, "grads": estimate.grads, "optimizer": estimate.optimizer, "activations": estimate.activations}
-    return {"measured": measured, "estimated": estimated}
+    return {"measured": measured}
 
 
 def case_args(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path) -> list[str]:
@@ -248,7 +241,7 @@ def worker(cases_file: Path) -> None:
 
 
 def measure_many(specs: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, list[dict] | str]:
-    """Each spec's per-rank results (or why it did not run), one launch of forked ranks per world size."""
+    """Each spec's per-rank measured bytes (or why it did not run), one launch of forked ranks per world size."""
     from meshloom.config import load_config
     from meshloom.planning.run_plan import RunPlan
 
@@ -317,9 +310,14 @@ def with_estimates(measured: dict[str, list[dict] | str], args: argparse.Namespa
     return results
 
 
+def measure_and_estimate(specs: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, list[dict] | str]:
+    """Each spec's per-rank measured and estimated bytes (or why it did not run), one launch per world size."""
+    return with_estimates(measure_many(specs, args, workdir), args, workdir / "estimate")
+
+
 def measure(spec: str, args: argparse.Namespace, workdir: Path, index: int) -> list[dict] | str:
-    """One layout's per-rank results (or why it did not run), in its own launch."""
-    return measure_many([spec], args, workdir / f"layout{index}")[spec]
+    """One layout's per-rank measured and estimated bytes (or why it did not run), in its own launch."""
+    return measure_and_estimate([spec], args, workdir / f"layout{index}")[spec]
 
 
 def ratios_of(ranks: list[dict]) -> dict[str, float]:

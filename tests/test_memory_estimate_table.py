@@ -38,7 +38,7 @@ def test_estimate_matches_tracked_memory_across_families_and_ac_modes(tmp_path):
     table = bench.table_specs()
     specs = [table[cell] for cell in CELLS]
     assert {bench.world_size(spec) for spec in specs} == {2}, "one launch: every cell on 2 ranks"
-    results = bench.measure_many(specs, argparse.Namespace(flavor="debug", seq_len=128, batch=2), tmp_path)
+    results = bench.measure_and_estimate(specs, argparse.Namespace(flavor="debug", seq_len=128, batch=2), tmp_path)
     failures = []
     for cell, spec in zip(CELLS, specs):
         ranks = results[spec]

@@ -146,7 +146,7 @@ def test_estimate_matches_tracked_memory_of_real_runs(tmp_path):
         "pp=2,pipeline.schedule=GPipe,pipeline.microbatches=1",
         "activation_checkpoint.mode=selective_layer,activation_checkpoint.every_k_layers=2",
     )
-    for layout, ranks in bench.measure_many(list(layouts), args, tmp_path).items():
+    for layout, ranks in bench.measure_and_estimate(list(layouts), args, tmp_path).items():
         assert not isinstance(ranks, str), f"{layout}: {ranks}"
         for result in ranks:
             for kind, tolerance in bench.TARGETS.items():
