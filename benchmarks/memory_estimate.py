@@ -291,9 +291,11 @@ def estimate_ranks(spec: str, args: argparse.Namespace, workdir: Path) -> list[d
     config = load_config(case_args(spec, args.flavor, args.seq_len, args.batch, workdir))
     plan = RunPlan.build(config, n)
     layout = layout_of(plan)
+    # The kernels of the device the ranks train on (training.device "auto", as the trainer resolves it).
+    precision = precision_from_config(config, "cuda" if torch.cuda.is_available() else "cpu")
     estimates = []
     for r in range(n):
-        e = estimate_memory(plan.shape(), layout, args.seq_len, precision_from_config(config), stage_index=r // (n // layout.pp))
+        e = estimate_memory(plan.shape(), layout, args.seq_len, precision, stage_index=r // (n // layout.pp))
         estimates.append({"params": e.params, "grads": e.grads, "optimizer": e.optimizer, "activations": e.activations})
     return estimates
 

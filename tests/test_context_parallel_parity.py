@@ -10,6 +10,7 @@ import pytest
 
 from meshloom.testing.layout_parity import BF16_TOLERANCE, FP32_TOLERANCE, compare
 
+PP_MICROBATCHES = ",pipeline.microbatches=2"
 LAYOUTS = [
     "cp=2",
     "cp=2,cp_load_balance=false",
@@ -20,11 +21,13 @@ LAYOUTS = [
     "tp=2,cp=2",
     "dp_shard=2,tp=2,cp=2",
     # A pipeline stage is parallelized by the same function as a whole model, which applies CP to it;
-    # pp=2,tp=2,cp=2 also shards parameters over the cp ranks, so it runs PP x FSDP x TP x CP on 8 ranks.
-    "pp=2,cp=2",
-    "pp=2,tp=2,cp=2",
+    # pp=2,tp=2,cp=2 also shards parameters over the cp ranks, so it runs PP x FSDP x TP x CP on 8 ranks. Two
+    # microbatches of 4 sequences, not the default 8 of one: the schedules themselves are test_pipeline.py's, and
+    # each microbatch costs these 8 ranks on 2 cores the same fixed dispatch overhead whatever its size.
+    "pp=2,cp=2" + PP_MICROBATCHES,
+    "pp=2,tp=2,cp=2" + PP_MICROBATCHES,
 ]
-BF16_LAYOUTS = ["cp=2,mixed_precision=bf16", "pp=2,tp=2,cp=2,mixed_precision=bf16"]
+BF16_LAYOUTS = ["cp=2,mixed_precision=bf16", "pp=2,tp=2,cp=2,mixed_precision=bf16" + PP_MICROBATCHES]
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,25 @@ def test_memory_per_rank_falls_with_every_sharding_degree():
     assert checkpointed.activations < before.activations < unchecked.activations
 
 
+def test_cpu_kernels_add_mla_softmax_probabilities_and_nothing_for_equal_heads():
+    """On CPU, SDPA's math path runs MLA (value heads narrower than query/key heads) and keeps heads x seq softmax
+    probabilities per token, less the log-sum-exp a fused kernel keeps; equal heads have a fused CPU kernel, and
+    context parallel's ring attention keeps no probabilities on any device."""
+    seq, layout = 128, Layout(microbatch_size=2)
+    deepseek = get_model_spec("deepseek_v3").shape_model(get_model_args("deepseek_v3", "debug"))
+    gpu = estimate_memory(deepseek, layout, seq, Precision()).activations
+    cpu = estimate_memory(deepseek, layout, seq, Precision(device="cpu")).activations
+    heads, blocks = 8, deepseek.n_layers + 1  # + the prediction module's block
+    assert cpu - gpu == pytest.approx(blocks * 2 * seq * heads * (4 * seq - 4), rel=1e-9)
+    with_cp = dataclasses.replace(layout, cp=2)
+    assert estimate_memory(deepseek, with_cp, seq, Precision(device="cpu")) == estimate_memory(deepseek, with_cp, seq, Precision())
+    llama = _shape("debug")
+    assert estimate_memory(llama, layout, seq, Precision(device="cpu")) == estimate_memory(llama, layout, seq, Precision())
+    # training.device "auto" counts GPU kernels: layouts are dry-run on hosts without the GPUs they are for.
+    assert dry_run(load_config(["--model.name", "deepseek_v3", "--model.flavor", "debug"]), 1).kernels == "cuda"
+    assert dry_run(load_config(["--model.name", "deepseek_v3", "--model.flavor", "debug", "--training.device", "cpu"]), 1).kernels == "cpu"
+
+
 def test_plan_picks_pure_fsdp_for_8b_on_8_gpus():
     best = plan("8B", Cluster(gpus=8, gpus_per_node=8, memory_gib=80), seq_len=8192, global_batch=8)[0].layout
     assert (best.dp_shard, best.dp_replicate, best.tp, best.pp, best.cp) == (8, 1, 1, 1, 1)

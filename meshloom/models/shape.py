@@ -8,6 +8,7 @@ token under each activation-checkpointing mode, and its attention FLOPs. Everyth
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from abc import ABC, abstractmethod
@@ -52,6 +53,8 @@ class ShapeModel(ABC):
     # Routed experts per MoE block and how many each token uses (0 for dense models).
     n_experts: int = 0
     top_k: int = 0
+    # The sequence length when SDPA runs its math path (`with_math_attention`), 0 for a fused attention kernel.
+    math_attention_seq_len: int = 0
 
     # ------------------------------------------------------------------ what the family describes
 
@@ -98,6 +101,14 @@ class ShapeModel(ABC):
         block's recomputed activations, and in the first forward of a stage's last block when no loss follows it.
         None by default."""
         return 0.0
+
+    def with_math_attention(self, seq_len: int) -> ShapeModel:
+        """This model as it runs where SDPA has no fused kernel for its attention and takes the math path (on CPU, for
+        unequal query and value head sizes) on `seq_len`-token sequences; families whose heads have a fused CPU
+        kernel ignore it."""
+        other = copy.copy(self)
+        other.math_attention_seq_len = seq_len
+        return other
 
     def root_params(self, first: bool, last: bool) -> list[ParamShape]:
         """The embedding on the first pipeline stage; the final norm and the output projection on the last (a

@@ -36,6 +36,8 @@ class DryRunReport:
     executed_flops: float
     comm_bytes: dict[str, float]
     seconds: float
+    # The device kind whose kernels the activation estimate counts (training.device; "auto" counts GPUs).
+    kernels: str = "cuda"
 
     def format(self) -> str:
         m = self.memory
@@ -46,7 +48,7 @@ class DryRunReport:
             f"  gradients                  {m.grads / GIB:10.2f} GiB",
             f"  optimizer state            {m.optimizer / GIB:10.2f} GiB",
             f"  gathered weights           {m.gathered / GIB:10.2f} GiB",
-            f"  activations                {m.activations / GIB:10.2f} GiB",
+            f"  activations                {m.activations / GIB:10.2f} GiB ({'CPU' if self.kernels == 'cpu' else 'GPU'} kernels)",
             f"  transient                  {m.transient / GIB:10.2f} GiB",
             f"  peak                       {m.peak / GIB:10.2f} GiB (busiest pipeline stage)",
             f"  FLOPs per step             {self.model_flops:10.3e} model, {self.executed_flops:.3e} executed",
@@ -93,8 +95,9 @@ def dry_run(config: Config, world_size: int) -> DryRunReport:
     comm = step_comm_bytes(shape, layout, tc.seq_len, precision)
     rank_params = estimate_memory(shape, layout, tc.seq_len, precision, stage_index=0).params
     return DryRunReport(
-        world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm, time.perf_counter() - start
-    )
+        world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm,
+        time.perf_counter() - start, precision.device,
+    )  # fmt: skip
 
 
 def _build_rank0(plan: RunPlan) -> list[torch.nn.Module]:

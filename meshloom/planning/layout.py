@@ -110,6 +110,9 @@ class Precision:
 
     mixed_precision: str = "fp32"
     reduce_dtype_bytes: int = FP32
+    # The device kind whose kernels run the model ("cuda" or "cpu"): on CPU, SDPA has no fused kernel for unequal
+    # query and value head sizes, and its math path keeps what a fused kernel does not (ShapeModel.with_math_attention).
+    device: str = "cuda"
 
     @property
     def compute_bytes(self) -> int:
@@ -143,9 +146,12 @@ def layout_of(plan: RunPlan) -> Layout:
     )  # fmt: skip
 
 
-def precision_from_config(config: Config) -> Precision:
+def precision_from_config(config: Config, device: str | None = None) -> Precision:
+    """The precision of a run, its kernels counted for `device` ("cuda" or "cpu"); by default training.device, with
+    "auto" counted as GPUs: layouts are planned and dry-run on hosts without the GPUs they are for."""
     reduce_bytes = 2 if config.parallelism.fsdp_reduce_dtype == "bfloat16" else 4
-    return Precision(config.training.mixed_precision, reduce_bytes)
+    device = device or ("cpu" if config.training.device == "cpu" else "cuda")
+    return Precision(config.training.mixed_precision, reduce_bytes, device)
 
 
 def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:

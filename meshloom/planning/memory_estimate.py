@@ -19,7 +19,8 @@ What one rank holds, by kind:
   (see `recompute_peak_bytes_per_token`); without it, the end of forward, where the fp32 logits are alive
   until the loss is taken (with a third vocabulary-wide tensor under loss parallel), or, on a pipeline stage
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
-  copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it;
+  copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it. On CPU, attention without a fused
+  kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`);
 - transient: the logits' gradient at the start of backward.
 
 The peak is parameters + optimizer + the larger of the activation phase (the activation peak, or the
@@ -245,6 +246,11 @@ def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[Para
     return tuple(shape.root_params(first, last))
 
 
+@functools.lru_cache(maxsize=64)
+def _with_math_attention(shape: ShapeModel, seq_len: int) -> ShapeModel:
+    return shape.with_math_attention(seq_len)
+
+
 @functools.lru_cache(maxsize=4096)
 def is_moe_block(shape: ShapeModel, layer: int) -> bool:
     return any(p.expert for p in cached_block_params(shape, layer))
@@ -264,6 +270,9 @@ def estimate_memory(
     sequences (or of the ranks of pipeline rank `stage_index`) with `optimizer` (optimizer.name; default the
     layout's)."""
     optimizer = optimizer or layout.optimizer
+    if precision.device == "cpu" and layout.cp == 1:
+        # Context parallel's ring attention is meshloom's own (it keeps no probabilities) on every device.
+        shape = _with_math_attention(shape, seq_len)
     tokens = layout.microbatch_size * seq_len / layout.cp
     a = precision.compute_bytes
     fsdp = layout.fsdp

@@ -87,8 +87,8 @@ class DeepSeekV3Shape(ShapeModel):
           and the normalised tensor ((4 + a)·width), and its output kept by the next matmul;
           attention: a fused kernel (flash, memory-efficient or cuDNN on GPUs) keeps q, k, the up-projected keys and
           values (the value heads are a view of it) and its output ([a·H·(2·qk + nope + 2V)] / tp) plus the fp32
-          log-sum-exp; RoPE keeps nothing (its tables are buffers). On CPU, SDPA has no fused kernel for V != qk
-          and its math path also keeps the H·s softmax probabilities (see benchmarks/RESULTS.md);
+          log-sum-exp; RoPE keeps nothing (its tables are buffers). On CPU, SDPA has no fused kernel for V != qk:
+          see `_math_attention_bytes`;
           MLP: dense SwiGLU 4aF/tp; MoE: see `_moe_activation_bytes`.
         """
         x = self.args
@@ -110,7 +110,7 @@ class DeepSeekV3Shape(ShapeModel):
             router = FP32 * x.n_routed_experts if moe else 0
             matmuls = a * (attention_mm + mlp_mm) / tp + row_parallel * a * d * (1 if tp == 1 else 1 + 1 / tp) + router
             attention = a * h * x.v_head_dim / tp + FP32 * h / tp
-            return block_input + matmuls + attention
+            return block_input + matmuls + attention + self._math_attention_bytes(ac, tp, a)
         assert ac == "none", ac
         norm = lambda width, shard: (FP32 + a) * width / shard
         # What the first matmuls keep of attention_norm's output: the shard (wq_a, wkv_a), and without a q latent
@@ -122,7 +122,21 @@ class DeepSeekV3Shape(ShapeModel):
         kv_side = latent_input + 2 * a * kv_lat  # + the normalised latent and wkv_b's input
         heads = a * h * (2 * x.qk_head_dim + x.qk_nope_head_dim + 2 * x.v_head_dim) + FP32 * h
         mlp = 4 * a * x.inter_dim / tp if not moe else self._moe_activation_bytes(a, tp)
-        return norms + q_side + kv_side + heads / tp + mlp
+        return norms + q_side + kv_side + heads / tp + mlp + self._math_attention_bytes(ac, tp, a)
+
+    def _math_attention_bytes(self, ac: str, tp: int, a: int) -> float:
+        """What SDPA's math path keeps beyond the fused kernel counted in `block_activation_bytes_per_token`. CPU's
+        fused kernel does not take MLA's value heads (narrower than the query/key heads). The math path keeps its
+        scaled queries and keys (in place of q and k), its softmax probabilities (H·s per token: the whole square)
+        and the values, but no log-sum-exp; wo keeps its own copy of the output, as with the kernel. Under
+        selective_op none of it is an aten.mm or an attention kernel, so nothing is kept: the output and log-sum-exp
+        counted for a fused kernel are recomputed instead."""
+        h, s = self.args.n_heads, self.math_attention_seq_len
+        if not s or ac == "full":
+            return 0.0
+        if ac == "none":
+            return (a * h * s - FP32 * h) / tp
+        return -(a * h * self.args.v_head_dim + FP32 * h) / tp
 
     def _moe_activation_bytes(self, a: int, tp: int) -> float:
         """An MoE layer's own tensors per token, without checkpointing; its gathered input counts with ffn_norm.
