@@ -1,6 +1,9 @@
-"""Loss parity of every supported layout against one process (fp32: 1e-5; bf16: the bound measured in testing/layout_parity.py).
+"""Loss parity of every supported layout against one process over 6 steps (fp32: 1e-5; bf16: the bound measured in
+testing/layout_parity.py).
 
 All layouts run in three launches (2, 4 and 8 ranks; testing/ranks.py), each running every layout of its size in turn.
+Six steps (two of warm-up, four of decay): a layout's first step costs its ranks more than the others together
+(DTensor plans every operator once per mesh), and a layout that is wrong shows from its second step.
 """
 
 import math
@@ -32,7 +35,7 @@ LAYOUTS = [
 def parity(tmp_path_factory):
     os.environ.pop("WORLD_SIZE", None)
     workdir = tmp_path_factory.mktemp("parity")
-    reference, comparisons = compare(LAYOUTS, steps=10, workdir=workdir)
+    reference, comparisons = compare(LAYOUTS, steps=6, workdir=workdir)
     return workdir, reference, {c.layout.spec: c for c in comparisons}
 
 
@@ -40,7 +43,7 @@ def parity(tmp_path_factory):
 def test_layout_matches_one_process(parity, spec):
     _, reference, comparisons = parity
     c = comparisons[spec]
-    assert len(c.curve.losses) == 10
+    assert len(c.curve.losses) == 6
     tolerance = BF16_TOLERANCE if "bf16" in spec or "bfloat16" in spec else FP32_TOLERANCE
     assert c.layout.tolerance == tolerance
     print(f"{spec}: max |dloss| {c.max_loss_diff:.2e}, |dgrad_norm| {c.grad_norm_diff:.2e}")
