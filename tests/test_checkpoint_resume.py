@@ -22,7 +22,9 @@ TOLERANCE = 1e-5
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
 ASYNC = SAVE + ["--checkpoint.async_mode", "async"]
 RESUME = SAVE + ["--checkpoint.resume", "true"]
-EXACT_LAYOUTS = {"1proc": "", "fsdp2": "dp_shard=2", "fsdp2_tp2": "dp_shard=2,tp=2", "pp2_fsdp2": "pp=2,dp_shard=2"}
+# Pipeline layouts take two microbatches, not one per sequence: each costs every rank the same fixed overhead.
+TWO_MICROBATCHES = ",pipeline.microbatches=2"
+EXACT_LAYOUTS = {"1proc": "", "fsdp2": "dp_shard=2", "fsdp2_tp2": "dp_shard=2,tp=2", "pp2_fsdp2": "pp=2,dp_shard=2" + TWO_MICROBATCHES}
 
 
 def _write_stream(path: Path) -> Path:
@@ -72,7 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str
     ]
     cases += [
         Case("tp2_stop", str(w / "tp2"), "tp=2", stop_after=5, overrides=SAVE),
-        Case("pp2_stop", str(w / "pp2"), "pp=2", stop_after=5, overrides=SAVE),
+        Case("pp2_stop", str(w / "pp2"), "pp=2" + TWO_MICROBATCHES, stop_after=5, overrides=SAVE),
         Case("pp2_to_fsdp2", str(w / "pp2"), "dp_shard=2", overrides=RESUME),
         Case("fsdp4_stop", str(w / "fsdp4"), "dp_shard=4", stop_after=5, overrides=SAVE),
         Case("fsdp4_to_fsdp2_tp2", str(w / "fsdp4"), "dp_shard=2,tp=2", overrides=RESUME),
