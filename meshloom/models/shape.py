@@ -102,6 +102,37 @@ class ShapeModel(ABC):
         None by default."""
         return 0.0
 
+    def block_recompute_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int, ep: int = 1) -> float:
+        """Bytes per token that the backward of block `layer`, checkpointed under mode `ac`, adds to what its forward kept.
+
+        Recomputation rebuilds everything that mode "none" keeps and `ac` does not (selective_op reuses the
+        kept matmul outputs). The block input, kept by the checkpoint, is one of the tensors "none" counts only
+        in fp32, where the attention norm's fp32 copy of its input is the input itself; in a narrower dtype
+        the copy is a new tensor. On top of that, the block's short-lived tensors of the recomputed forward
+        (`block_transient_bytes_per_token`: a MoE block's routed output before un-permutation).
+        """
+        if ac == "none":
+            return 0.0
+        block_input = act_bytes * self.dim / tp
+        shared_input = block_input if act_bytes == FP32 else 0.0
+        none = self.block_activation_bytes_per_token(layer, "none", tp, act_bytes)
+        kept = self.block_activation_bytes_per_token(layer, ac, tp, act_bytes)
+        transient = self.block_transient_bytes_per_token(layer, tp, ep, act_bytes)
+        return none - (kept - block_input) - shared_input + transient
+
+    def routed_transient_bytes_per_token(self, shared_hidden: int, tp: int, ep: int, act_bytes: int) -> float:
+        """A sparse block's routed token copies that backward does not keep (top_k per token, a·dim bytes each), against
+        the shared experts' SwiGLU (4·a·shared_hidden/tp), the only tensors the block keeps that are made after them:
+        what a family's `block_transient_bytes_per_token` gives for its MoE blocks.
+
+        One process: the w2 grouped matmul's output lives next to its copy put back in token order (1 x the copies).
+        Expert parallel (meshloom.parallel.expert_parallel): when the combine all-to-all allocates its output, the
+        copies sorted by expert (the dispatch's input, alive until the experts module returns), the received copies
+        (alive until the dispatch returns), the w2 output and its copy put back in source order are all alive next
+        to that output (4 x the copies more than mode "none" keeps at that point, received copies assumed balanced)."""
+        copies = 4 if ep > 1 else 1
+        return max(0.0, copies * act_bytes * self.top_k * self.dim - 4 * act_bytes * shared_hidden / tp)
+
     def with_math_attention(self, seq_len: int) -> ShapeModel:
         """This model as it runs where SDPA has no fused kernel for its attention and takes the math path (on CPU, for
         unequal query and value head sizes) on `seq_len`-token sequences; families whose heads have a fused CPU

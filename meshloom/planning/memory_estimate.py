@@ -16,7 +16,7 @@ What one rank holds, by kind:
   (the family's `ShapeModel.block_activation_bytes_per_token`), for the activation-checkpointing mode and the microbatches
   a pipeline rank holds at once. Under checkpointing that peak is usually not the end of forward but the
   backward of the last block: its recomputed activations live next to the saved inputs of every block
-  (see `recompute_peak_bytes_per_token`); without it, the end of forward, where the fp32 logits are alive
+  (see `ShapeModel.block_recompute_bytes_per_token`); without it, the end of forward, where the fp32 logits are alive
   until the loss is taken (with a third vocabulary-wide tensor under loss parallel), or, on a pipeline stage
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
   copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it. On CPU, attention without a fused
@@ -183,25 +183,6 @@ def pipeline_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def recompute_peak_bytes_per_token(shape: ShapeModel, layer: int, ac: str, tp: int, act_bytes: int, ep: int = 1) -> float:
-    """Bytes per token that the backward of one checkpointed block adds to what its forward kept.
-
-    Recomputation rebuilds everything that mode "none" keeps and `ac` does not (selective_op reuses the
-    kept matmul outputs). The block input, kept by the checkpoint, is one of the tensors "none" counts only
-    in fp32, where the attention norm's fp32 copy of its input is the input itself; in a narrower dtype
-    the copy is a new tensor. On top of that, the family's short-lived tensors of the recomputed forward
-    (`ShapeModel.block_transient_bytes_per_token`: a MoE block's routed output before un-permutation).
-    """
-    if ac == "none":
-        return 0.0
-    block_input = act_bytes * shape.dim / tp
-    shared_input = block_input if act_bytes == FP32 else 0.0
-    none = shape.block_activation_bytes_per_token(layer, "none", tp, act_bytes)
-    kept = shape.block_activation_bytes_per_token(layer, ac, tp, act_bytes)
-    transient = shape.block_transient_bytes_per_token(layer, tp, ep, act_bytes)
-    return none - (kept - block_input) - shared_input + transient
-
-
 def root_activation_bytes_per_token(
     shape: ShapeModel, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True,
     ac: str = "none", ep: int = 1,
@@ -228,7 +209,9 @@ def root_activation_bytes_per_token(
 _block_activation = functools.lru_cache(maxsize=65536)(
     lambda shape, layer, mode, tp, a: shape.block_activation_bytes_per_token(layer, mode, tp, a)
 )
-_recompute_peak = functools.lru_cache(maxsize=65536)(recompute_peak_bytes_per_token)
+_recompute_peak = functools.lru_cache(maxsize=65536)(
+    lambda shape, layer, mode, tp, a, ep: shape.block_recompute_bytes_per_token(layer, mode, tp, a, ep)
+)
 
 _BLOCK_KINDS: dict[tuple[ParamShape, ...], tuple[ParamShape, ...]] = {}
 
@@ -360,7 +343,7 @@ def estimate_memory(
         # and log-softmaxes are freed by then, everything else the stage keeps is alive.
         if stage.last:
             head = shape.last_stage_recompute_bytes_per_token(layout.ac, layout.tp, a, loss_parallel, layout.ep)
-            recompute_peak = max(recompute_peak, stage.inflight * tokens * (sum(per_layer) + per_root) + tokens * head)
+            recompute_peak = max(recompute_peak, saved + tokens * head)
         activations = int(max(saved + tokens * (loss_logits + loss_shift), recompute_peak))
         logits_grad = 2 * FP32 * vocab if stage.last else 0.0  # log-softmax's gradient and its input's
         transient = int(tokens * logits_grad)

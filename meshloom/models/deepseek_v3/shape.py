@@ -156,13 +156,11 @@ class DeepSeekV3Shape(ShapeModel):
         return routed + router + shared
 
     def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
-        """As Qwen3's (meshloom.models.qwen3.shape): a sparse block's routed copies that backward does not keep (1 x aKD
-        in one process, 4 x aKD under expert parallel) against the shared experts' SwiGLU (4aF/tp per shared expert)."""
+        """A MoE block's routed token copies (`ShapeModel.routed_transient_bytes_per_token`)."""
         x = self.args
         if not x.is_moe_layer(layer):
             return 0.0
-        a, copies = act_bytes, (4 if ep > 1 else 1)
-        return max(0.0, copies * a * x.n_activated_experts * x.dim - 4 * a * x.moe_inter_dim * x.n_shared_experts / tp)
+        return self.routed_transient_bytes_per_token(x.moe_inter_dim * x.n_shared_experts, tp, ep, act_bytes)
 
     def last_stage_extra_activation_bytes_per_token(
         self, ac: str, tp: int, act_bytes: int, loss_parallel: bool, ep: int = 1
@@ -189,14 +187,8 @@ class DeepSeekV3Shape(ShapeModel):
         depth = self.args.mtp_depth
         if ac not in ("full", "selective_op") or not depth:
             return 0.0
-        d, a = self.dim, act_bytes
         vocab = self.vocab_size / tp if (tp > 1 and loss_parallel) else self.vocab_size
-        last = self.n_layers + depth - 1
-        block_input = a * d / tp
-        kept = self.block_activation_bytes_per_token(last, ac, tp, a)
-        recompute = self.block_activation_bytes_per_token(last, "none", tp, a) - (kept - block_input)
-        recompute -= block_input if a == FP32 else 0  # the fp32 norm's input copy is the kept input itself
-        recompute += self.block_transient_bytes_per_token(last, tp, ep, a)
+        recompute = self.block_recompute_bytes_per_token(self.n_layers + depth - 1, ac, tp, act_bytes, ep)
         freed = 2 * FP32 * vocab  # the next-token and the last depth's log-softmax
         return max(0.0, recompute - freed)
 

@@ -87,19 +87,10 @@ class Qwen3Shape(ShapeModel):
         return norms + qk_norm + attention + mlp
 
     def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
-        """A sparse block's routed token copies that backward does not keep (K per token, aKD each), against the shared
-        experts' SwiGLU (4aS/tp), the only tensors the block keeps that are made after them.
-
-        One process: the w2 grouped matmul's output lives next to its copy put back in token order (1 x aKD).
-        Expert parallel (meshloom.parallel.expert_parallel): when the combine all-to-all allocates its output, the
-        copies sorted by expert (the dispatch's input, alive until the experts module returns), the received copies
-        (alive until the dispatch returns), the w2 output and its copy put back in source order are all alive next
-        to that output (4 x aKD more than mode "none" keeps at that point, received copies assumed balanced)."""
+        """A MoE block's routed token copies (`ShapeModel.routed_transient_bytes_per_token`)."""
         if not self.args.is_moe_layer(layer):
             return 0.0
-        m, a = self.args.moe, act_bytes
-        copies = 4 if ep > 1 else 1
-        return max(0.0, copies * a * m.top_k * self.dim - 4 * a * m.shared_hidden_dim / tp)
+        return self.routed_transient_bytes_per_token(self.args.moe.shared_hidden_dim, tp, ep, act_bytes)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         return 12.0 * self.n_layers * self.args.n_heads * self.args.head_dim * seq_len
