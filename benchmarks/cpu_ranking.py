@@ -22,7 +22,6 @@ import contextlib
 import io
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -167,15 +166,12 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def cpu_flags() -> str:
-    flags = ""
-    if platform.system() == "Linux":
-        text = subprocess.run(["lscpu"], check=False, capture_output=True, text=True).stdout
-        model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "?")
-        have = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("Flags")), []))
-        bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in have] or ["none"]
-        flags = f"{model}; {os.cpu_count()} cores; avx2: {'yes' if 'avx2' in have else 'no'}; native bf16: {', '.join(bf16)}"
-    return flags
+def describe_cpu() -> str:
+    from meshloom.observe.cpu import cpu_flags, cpu_model, native_bf16_flags
+
+    flags = cpu_flags()
+    avx2 = "unknown" if flags is None else ("yes" if "avx2" in flags else "no")
+    return f"{cpu_model()}; {os.cpu_count()} cores; avx2: {avx2}; native bf16: {', '.join(native_bf16_flags()) or 'none'}"
 
 
 def report(world: int, measured: dict, workdir: Path) -> dict:
@@ -222,7 +218,7 @@ def main() -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False, capture_output=True, text=True, cwd=REPO).stdout
     changed = " ".join(line[3:] for line in dirty.splitlines())
     print(f"# commit {commit}{f' with uncommitted changes to {changed}' if changed else ''}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"# cpu: {cpu_flags()}; load average at start: {load_average()}")
+    print(f"# cpu: {describe_cpu()}; load average at start: {load_average()}")
     print(f"# llama3 debug, seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, fp32, AdamW; gloo; "
           f"{args.rounds} alternating rounds of {args.steps} steps per layout")  # fmt: skip
     # One process builds the tokenizer and token caches first, so the ranks do not race to write them.
