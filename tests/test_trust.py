@@ -210,10 +210,10 @@ def test_mistakes_are_one_line(argv: list[str], fragment: str, run_dir: Path, tm
 @pytest.mark.parametrize(
     ("settings", "fragment"),
     [
-        (["--moe.aux_loss_coef", "1e-3"], "moe.aux_loss_coef = 0.001 has no effect: llama3 tiny is a dense model"),
+        (["--moe.aux_loss_coef", "1e-3"], "moe.aux_loss_coef = 0.001 has no effect: it acts only when the model has experts"),
         (["--moe.bias_update_rate", "0.01"], "moe.bias_update_rate"),
         (["--moe.grouped_mm", "on"], "moe.grouped_mm = 'on' has no effect"),
-        (["--optimizer.muon_momentum", "0.9"], "optimizer.muon_momentum = 0.9 has no effect under optimizer.name = 'AdamW'"),
+        (["--optimizer.muon_momentum", "0.9"], "optimizer.muon_momentum = 0.9 has no effect: it acts only when optimizer.name = 'Muon'"),
         (["--optimizer.muon_ns_steps", "3"], "optimizer.muon_ns_steps"),
     ],
 )

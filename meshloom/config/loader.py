@@ -148,6 +148,8 @@ def _set(config: Config, key: str, value: Any, from_cli: bool) -> None:
         full = [f"{section_name}.{n}" for n in types]
         raise ConfigError(f"unknown config key '{key}'{_close_match(key, full)}")
     setattr(section, field_name, _coerce(key, value, types[field_name], from_cli))
+    if config.given is not None:
+        config.given.add(key)
 
 
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -284,6 +286,7 @@ def load_config(argv: list[str]) -> Config:
         print(help_text())
         raise SystemExit(0)
     config = Config()
+    config.given = set()
     if config_path is not None:
         apply_file(config, config_path)
     for key, value in overrides:

@@ -76,8 +76,7 @@ def validate(config: Config) -> None:
         _require(getattr(moe, name) >= 0, f"moe.{name} must be >= 0 (0 = off), got {getattr(moe, name)}")
     if par.cp > 1:
         _check_context_parallel(config)
-    if config.fault_tolerance.enable:
-        _check_fault_tolerance(config)
+    _check_fault_tolerance(config)  # even without enable, so a wrong value is named before it is refused as idle
 
 
 def _check_fault_tolerance(config: Config) -> None:

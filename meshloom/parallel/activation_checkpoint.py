@@ -96,8 +96,9 @@ def resolve_save_ops(spec: str) -> list[torch._ops.OpOverload]:
     return ops
 
 
-def check_activation_checkpoint_config(config: ActivationCheckpointConfig, compile_enabled: bool) -> None:
-    """Bad settings as ConfigErrors, before anything is built."""
+def check_activation_checkpoint_config(config: ActivationCheckpointConfig) -> None:
+    """Bad settings as ConfigErrors, before anything is built (memory_budget's need of compile is declared in
+    meshloom/planning/features.py)."""
     if config.mode == "selective_layer" and config.every_k_layers < 1:
         raise ConfigError(
             f"activation_checkpoint.every_k_layers must be >= 1, got {config.every_k_layers} (1 = every block, like full)"
@@ -105,11 +106,6 @@ def check_activation_checkpoint_config(config: ActivationCheckpointConfig, compi
     if config.mode == "selective_op":
         resolve_save_ops(config.save_ops)
     if config.mode == "memory_budget":
-        if not compile_enabled:
-            raise ConfigError(
-                "activation_checkpoint.mode = 'memory_budget' is carried out by torch.compile's partitioner, so it "
-                "needs compile.enable = true; enable compile, or use mode 'selective_op' or 'full' in eager"
-            )
         if not 0.0 <= config.memory_budget <= 1.0:
             raise ConfigError(
                 f"activation_checkpoint.memory_budget must lie in [0, 1] (fraction of activations kept), got {config.memory_budget}"

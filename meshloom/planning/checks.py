@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 
 from meshloom.config.errors import ConfigError
-from meshloom.config.fault_tolerance import FaultToleranceConfig
 from meshloom.config.schema import Config
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
@@ -15,7 +14,7 @@ from meshloom.parallel.dims import ParallelDims
 
 
 def check_generic_layout(shape: ShapeModel, dims: ParallelDims) -> None:
-    """Whole blocks per pipeline stage, no tied output across stages, experts only on MoE models and split evenly."""
+    """Whole blocks per pipeline stage, no tied output across stages, experts split evenly."""
     if dims.pp > shape.n_layers:
         raise ConfigError(f"parallelism.pp={dims.pp} exceeds the model's {shape.n_layers} layers; lower pp")
     if dims.pp > 1 and shape.tie_embeddings:
@@ -23,8 +22,6 @@ def check_generic_layout(shape: ShapeModel, dims: ParallelDims) -> None:
             "this model ties its output projection to the embedding, but pipeline parallelism puts them on different "
             "stages; use an untied model flavour or set parallelism.pp = 1"
         )
-    if dims.ep > 1 and shape.n_experts == 0:
-        raise ConfigError("parallelism.ep > 1 needs a mixture-of-experts model; this model is dense, set ep = 1")
     if dims.ep > 1 and shape.n_experts % dims.ep:
         choices = [d for d in range(1, shape.n_experts + 1) if shape.n_experts % d == 0]
         raise ConfigError(
@@ -37,22 +34,6 @@ def check_context_parallel(config: Config, dims: ParallelDims) -> None:
     """Each cp rank holds whole, equal chunks of every sequence."""
     if dims.cp > 1:
         planned_layout(dims.cp, config.parallelism).check_seq_len(config.training.seq_len)
-
-
-def check_moe_settings(shape: ShapeModel, config: Config, dims: ParallelDims) -> None:
-    """[moe] settings that a mixture-of-experts model under this layout cannot honour."""
-    if shape.n_experts == 0:
-        return
-    if dims.cp > 1 and config.moe.aux_loss_coef > 0:
-        raise ConfigError(
-            "moe.aux_loss_coef > 0 with parallelism.cp > 1: the sequence-wise balance loss needs whole sequences, "
-            "which context parallel splits; set moe.aux_loss_coef = 0 or parallelism.cp = 1"
-        )
-    if config.compile.enable and config.moe.grouped_mm == "off":
-        raise ConfigError(
-            "moe.grouped_mm = 'off' loops over experts with data-dependent sizes, which compile.enable's fullgraph "
-            "blocks cannot trace; set moe.grouped_mm to 'auto' or 'on', or compile.enable = false"
-        )
 
 
 def grad_accum_steps(config: Config, dp: int) -> int:
@@ -96,31 +77,6 @@ def torchft_installed() -> bool:
         return False
 
 
-def check_fault_tolerance(config: Config, dp_replicate: int, pp: int = 1) -> None:
-    """The settings and layouts replica groups cannot run with (called by RunPlan.build)."""
-    ft = config.fault_tolerance
-    if not ft.enable:
-        return
-    if not torchft_installed():
+def check_torchft_installed(config: Config) -> None:
+    if config.fault_tolerance.enable and not torchft_installed():
         raise ConfigError(f"fault_tolerance.enable needs torchft, which is not installed; install the extra: {EXTRA_HINT}")
-    if dp_replicate > 1:
-        raise ConfigError(
-            f"fault_tolerance.enable: the replica groups are the replicate dimension, so parallelism.dp_replicate must be 1 "
-            f"inside a group (got {dp_replicate}); launch fault_tolerance.group_size groups instead"
-        )
-    if config.training.nonfinite == "rollback":
-        raise ConfigError(
-            "fault_tolerance.enable with training.nonfinite = 'rollback' would reload a disk checkpoint in one group "
-            "only; choose training.nonfinite = 'halt' or 'skip_step'"
-        )
-    check_semi_sync(ft, pp)
-
-
-def check_semi_sync(settings: FaultToleranceConfig, pp: int) -> None:
-    if not settings.semi_sync:
-        return
-    if pp > 1:
-        raise ConfigError(
-            f"fault_tolerance.semi_sync = {settings.semi_sync!r} syncs one model per group, not pipeline stages; set "
-            "parallelism.pp = 1 or fault_tolerance.semi_sync = ''"
-        )

@@ -21,7 +21,7 @@ from meshloom.inference.sampling import check_sampling_settings
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
-from meshloom.planning.effective_settings import check_settings_take_effect
+from meshloom.planning.features import Facts, refuse_conflicts, refuse_idle_settings
 from meshloom.parallel.activation_checkpoint import check_activation_checkpoint_config
 from meshloom.parallel.compile import check_compile_config
 from meshloom.parallel.dims import ParallelDims
@@ -30,10 +30,9 @@ from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline
 from meshloom.observe.profiler import check_profiling_config
 from meshloom.planning.checks import (
     check_context_parallel,
-    check_fault_tolerance,
     check_generic_layout,
-    check_moe_settings,
     check_qk_clip_config,
+    check_torchft_installed,
     grad_accum_steps,
     replica_groups,
 )
@@ -71,16 +70,17 @@ class RunPlan:
             )
         dims = ParallelDims.from_config(config.parallelism, world_size)
         shape = spec.shape_model(args)
+        facts = Facts(config, dims, shape.n_experts)
+        refuse_idle_settings(facts)
+        refuse_conflicts(facts)
         check_generic_layout(shape, dims)
         check_context_parallel(config, dims)
-        check_moe_settings(shape, config, dims)
         spec.check_layout(args, config, dims)
-        check_settings_take_effect(config, shape.n_experts)
         pipeline = plan_pipeline(config, dims, args.n_layers) if dims.pp > 1 else None
-        check_fault_tolerance(config, dims.dp_replicate, dims.pp)
+        check_torchft_installed(config)
         # Replica groups (fault_tolerance) share each global batch like data-parallel ranks.
         accumulation = grad_accum_steps(config, dims.dp * replica_groups(config))
-        check_activation_checkpoint_config(config.activation_checkpoint, config.compile.enable)
+        check_activation_checkpoint_config(config.activation_checkpoint)
         check_profiling_config(config.profiling)
         check_qk_clip_config(config, spec, dims)
         _check_hf_export(config, spec)

@@ -1,0 +1,372 @@
+"""Every feature of a run, what turns it on, which pairs cannot train together, and where each setting acts:
+one declaration.
+
+- `RunPlan.build` reads it through `refuse_conflicts` and `refuse_idle_settings`, before any process group exists,
+  so train, --dry-run, plan, eval and generate refuse a pair or an idle setting the same way, in one line that names
+  both settings and the reason.
+- `docs/compatibility.md` is generated from it together with the pairwise matrix (meshloom/testing/matrix.py): every
+  pair of the table's features is either proven by a test or refused here (meshloom.planning.compatibility).
+- A new feature or family is added here, to the matrix's axes and to the table in the same change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from meshloom.config.errors import ConfigError
+from meshloom.config.schema import Config
+from meshloom.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the declaration's conditions may look at: the settings, the degrees and the model's kind."""
+
+    config: Config
+    dims: ParallelDims
+    n_experts: int
+
+    @property
+    def family(self) -> str:
+        return self.config.model.name
+
+
+Condition = Callable[[Facts], bool]
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    """Short id, used by the matrix and the table."""
+
+    title: str
+    """How the table heads its row and column."""
+
+    setting: str
+    """The setting that turns it on, as a user writes it (the refusal line names it)."""
+
+    on: Condition
+    """Whether a run has it."""
+
+    witness: tuple[str, ...] = ()
+    """Command-line settings that turn it on in the parity harness's tiny run (the refusal tests build them)."""
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two features that cannot train together (or a feature and what it needs but lacks), with the reason."""
+
+    first: str
+    second: str
+    reason: str
+    fix: str
+    when: Condition = lambda facts: True
+    """A further condition, beyond both features being on."""
+
+    def line(self) -> str:
+        a, b = FEATURES[self.first], FEATURES[self.second]
+        return f"{a.setting} ({a.title}) with {b.setting} ({b.title}): {self.reason}; {self.fix}"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where settings act: given outside `acts`, they are refused (a setting that cannot take effect is never ignored)."""
+
+    keys: tuple[str, ...]
+    """`section.field` keys, or `section.*` for every field of a section but those listed in `except_keys`."""
+
+    acts: Condition
+    condition: str
+    """`acts` in words, for the refusal line: "only when <condition>"."""
+
+    except_keys: tuple[str, ...] = ()
+
+
+def _family(name: str, moe: bool | None = None) -> Condition:
+    return lambda f: f.family == name and (moe is None or (f.n_experts > 0) == moe)
+
+
+def _ft(kind: str) -> Condition:
+    return lambda f: f.config.fault_tolerance.enable and f.config.fault_tolerance.semi_sync == kind
+
+
+_DEFINED = [
+    # Model families (one per run).
+    Feature("llama3", "Llama 3", "model.name = 'llama3'", _family("llama3"), ("--model.name", "llama3")),
+    Feature("qwen3", "Qwen3 dense", "model.name = 'qwen3'", _family("qwen3", moe=False), ("--model.name", "qwen3")),
+    Feature(
+        "qwen3_moe", "Qwen3 MoE", "model.name = 'qwen3' (MoE flavour)", _family("qwen3", moe=True),
+        ("--model.name", "qwen3", "--model.flavor", "tiny_moe"),
+    ),
+    Feature("deepseek_v3", "DeepSeek-V3 / Kimi K2", "model.name = 'deepseek_v3'", _family("deepseek_v3"), ("--model.name", "deepseek_v3")),
+    # Layouts (degrees combine).
+    Feature("fsdp", "FSDP", "parallelism.dp_shard > 1", lambda f: f.dims.dp_shard > 1, ("--parallelism.dp_shard", "2")),
+    Feature("hsdp", "HSDP", "parallelism.dp_replicate > 1", lambda f: f.dims.dp_replicate > 1, ("--parallelism.dp_replicate", "2")),
+    Feature("tp", "TP", "parallelism.tp > 1", lambda f: f.dims.tp > 1, ("--parallelism.tp", "2")),
+    Feature("pp", "PP", "parallelism.pp > 1", lambda f: f.dims.pp > 1, ("--parallelism.pp", "2")),
+    Feature("cp", "CP", "parallelism.cp > 1", lambda f: f.dims.cp > 1, ("--parallelism.cp", "2")),
+    Feature(
+        "ep", "EP", "parallelism.ep > 1", lambda f: f.dims.ep > 1,
+        ("--parallelism.dp_shard", "2", "--parallelism.ep", "2"),
+    ),
+    # Memory and speed.
+    Feature(
+        "ac_full", "AC full", "activation_checkpoint.mode = 'full'",
+        lambda f: f.config.activation_checkpoint.mode == "full", ("--activation_checkpoint.mode", "full"),
+    ),
+    Feature(
+        "ac_selective", "AC selective", "activation_checkpoint.mode = 'selective_op'",
+        lambda f: f.config.activation_checkpoint.mode in ("selective_op", "selective_layer"),
+        ("--activation_checkpoint.mode", "selective_op"),
+    ),
+    Feature("compile", "compile", "compile.enable", lambda f: f.config.compile.enable, ("--compile.enable", "true")),
+    Feature("float8", "Float8", "float8.enable", lambda f: f.config.float8.enable, ("--float8.enable", "true")),
+    # Optimizer.
+    Feature("muon", "Muon", "optimizer.name = 'Muon'", lambda f: f.config.optimizer.name == "Muon", ("--optimizer.name", "Muon")),
+    Feature(
+        "qk_clip", "QK-clip", "optimizer.qk_clip_threshold > 0", lambda f: f.config.optimizer.qk_clip_threshold > 0,
+        ("--optimizer.qk_clip_threshold", "1.0"),
+    ),
+    # Data.
+    Feature(
+        "shards", "shards + stages", "data.dataset = 'shards'", lambda f: f.config.data.dataset == "shards",
+        ("--data.dataset", "shards"),
+    ),
+    Feature(
+        "streaming", "streaming", "data.dataset = 'streaming'", lambda f: f.config.data.dataset == "streaming",
+        ("--data.dataset", "streaming", "--data.stream", "stream.jsonl"),
+    ),
+    Feature("document_mask", "document masks", "data.document_mask", lambda f: f.config.data.document_mask, ("--data.document_mask", "true")),
+    # Fault tolerance and resume.
+    Feature(
+        "replica_groups", "replica groups", "fault_tolerance.enable", _ft(""), ("--fault_tolerance.enable", "true"),
+    ),
+    Feature(
+        "diloco", "DiLoCo", "fault_tolerance.semi_sync = 'diloco'", _ft("diloco"),
+        ("--fault_tolerance.enable", "true", "--fault_tolerance.semi_sync", "diloco"),
+    ),
+    Feature(
+        "local_sgd", "LocalSGD", "fault_tolerance.semi_sync = 'local_sgd'", _ft("local_sgd"),
+        ("--fault_tolerance.enable", "true", "--fault_tolerance.semi_sync", "local_sgd"),
+    ),
+    # A kill and the restart, or a resume under another layout: what a run does, not a setting; the matrix marks it.
+    Feature("kill_restart", "kill + restart", "checkpoint.resume", lambda f: False),
+    Feature("resume_other_layout", "resume on another layout", "checkpoint.resume", lambda f: False),
+    # Outside the table: features whose constraints are declared here too.
+    Feature(
+        "moe_aux_loss", "sequence-wise balance loss", "moe.aux_loss_coef > 0",
+        lambda f: f.n_experts > 0 and f.config.moe.aux_loss_coef > 0,
+        ("--model.name", "qwen3", "--model.flavor", "tiny_moe", "--moe.aux_loss_coef", "0.001"),
+    ),
+    Feature(
+        "expert_loop", "expert loop", "moe.grouped_mm = 'off'", lambda f: f.n_experts > 0 and f.config.moe.grouped_mm == "off",
+        ("--model.name", "qwen3", "--model.flavor", "tiny_moe", "--moe.grouped_mm", "off"),
+    ),
+    Feature(
+        "ac_memory_budget", "AC memory budget", "activation_checkpoint.mode = 'memory_budget'",
+        lambda f: f.config.activation_checkpoint.mode == "memory_budget", ("--activation_checkpoint.mode", "memory_budget"),
+    ),
+    Feature("dense", "dense model", "a dense model.flavor", lambda f: f.n_experts == 0, ("--model.name", "llama3")),
+    Feature(
+        "no_compile", "eager", "compile.enable = false", lambda f: not f.config.compile.enable, ("--compile.enable", "false"),
+    ),
+    Feature(
+        "rollback", "rollback on NaN", "training.nonfinite = 'rollback'", lambda f: f.config.training.nonfinite == "rollback",
+        ("--training.nonfinite", "rollback", "--checkpoint.enable", "true"),
+    ),
+    Feature(
+        "elastic_resize", "elastic resize", "parallelism.resize", lambda f: f.config.parallelism.resize != "none",
+        ("--parallelism.resize", "dp_shard"),
+    ),
+]
+FEATURES: dict[str, Feature] = {feature.name: feature for feature in _DEFINED}
+
+# The features of docs/compatibility.md's table, in its order; every pair is proven by a test or refused.
+TABLE = (
+    "llama3", "qwen3", "qwen3_moe", "deepseek_v3",
+    "fsdp", "hsdp", "tp", "pp", "cp", "ep",
+    "ac_full", "ac_selective", "compile", "float8",
+    "muon", "qk_clip",
+    "shards", "streaming", "document_mask",
+    "replica_groups", "diloco", "local_sgd",
+    "kill_restart", "resume_other_layout",
+)  # fmt: skip
+
+# Features of which a run has at most one: their pairs have no cell.
+EXCLUSIVE = (
+    ("llama3", "qwen3", "qwen3_moe", "deepseek_v3"),
+    ("ac_full", "ac_selective"),
+    ("shards", "streaming"),
+    ("replica_groups", "diloco", "local_sgd"),
+    ("kill_restart", "resume_other_layout"),
+)
+
+_REPLICA_KINDS = ("replica_groups", "diloco", "local_sgd")
+
+CONFLICTS: tuple[Conflict, ...] = (
+    *(
+        Conflict(
+            kind, "hsdp",
+            "the replica groups are the replicate dimension, so a group cannot replicate inside itself",
+            "set parallelism.dp_replicate = 1 and launch fault_tolerance.group_size groups instead",
+        )
+        for kind in _REPLICA_KINDS
+    ),
+    *(
+        Conflict(
+            kind, "streaming",
+            "a group that joins late or restarts receives a live group's stream position, which belongs to another "
+            "data-parallel rank's stream and cannot be taken over",
+            "use data.dataset = 'shards' (prepared with `meshloom prepare`), whose position any group can take",
+        )
+        for kind in _REPLICA_KINDS
+    ),
+    *(
+        Conflict(
+            kind, "pp",
+            "semi-synchronous training syncs one whole model per group, not pipeline stages",
+            "set parallelism.pp = 1 or fault_tolerance.semi_sync = ''",
+        )
+        for kind in ("diloco", "local_sgd")
+    ),
+    *(
+        Conflict(
+            kind, "rollback",
+            "a rollback would reload a disk checkpoint in one group only",
+            "choose training.nonfinite = 'halt' or 'skip_step'",
+        )
+        for kind in _REPLICA_KINDS
+    ),
+    Conflict(
+        "elastic_resize", "streaming",
+        "a resized run has another number of data-parallel ranks, and each streaming rank's read position belongs "
+        "to its own slice of the stream",
+        "use data.dataset = 'shards', whose position is reshared over any number of ranks, or parallelism.resize = 'none'",
+    ),
+    Conflict(
+        "dense", "ep",
+        "expert parallel splits the routed experts of a mixture-of-experts model, and this model has none",
+        "set parallelism.ep = 1, or pick a mixture-of-experts flavour",
+    ),
+    Conflict(
+        "moe_aux_loss", "cp",
+        "the sequence-wise balance loss needs whole sequences, which context parallel splits",
+        "set moe.aux_loss_coef = 0 or parallelism.cp = 1",
+    ),
+    Conflict(
+        "expert_loop", "compile",
+        "the loop over experts has data-dependent sizes, which compile's fullgraph blocks cannot trace",
+        "set moe.grouped_mm to 'auto' or 'on', or compile.enable = false",
+    ),
+    Conflict(
+        "ac_memory_budget", "no_compile",
+        "the memory budget is carried out by torch.compile's partitioner",
+        "set compile.enable = true, or use activation_checkpoint.mode 'selective_op' or 'full' in eager",
+    ),
+)
+
+
+SCOPES: tuple[Scope, ...] = (
+    Scope(("pipeline.*",), lambda f: f.dims.pp > 1, "parallelism.pp > 1"),
+    Scope(
+        ("parallelism.cp_load_balance", "parallelism.cp_document_balance", "parallelism.cp_document_chunks"),
+        lambda f: f.dims.cp > 1, "parallelism.cp > 1",
+    ),
+    Scope(("parallelism.loss_parallel",), lambda f: f.dims.tp > 1, "parallelism.tp > 1"),
+    Scope(("moe.*",), lambda f: f.n_experts > 0, "the model has experts (a mixture-of-experts flavour)"),
+    Scope(
+        ("optimizer.muon_lr", "optimizer.muon_momentum", "optimizer.muon_nesterov", "optimizer.muon_ns_steps",
+         "optimizer.muon_ns_dtype", "optimizer.muon_adjust_lr"),
+        lambda f: f.config.optimizer.name == "Muon", "optimizer.name = 'Muon'",
+    ),  # fmt: skip
+    Scope(
+        ("activation_checkpoint.every_k_layers",),
+        lambda f: f.config.activation_checkpoint.mode == "selective_layer", "activation_checkpoint.mode = 'selective_layer'",
+    ),
+    Scope(
+        ("activation_checkpoint.save_ops",),
+        lambda f: f.config.activation_checkpoint.mode == "selective_op", "activation_checkpoint.mode = 'selective_op'",
+    ),
+    Scope(
+        ("activation_checkpoint.memory_budget",),
+        lambda f: f.config.activation_checkpoint.mode == "memory_budget", "activation_checkpoint.mode = 'memory_budget'",
+    ),
+    Scope(("compile.cache_dir",), lambda f: f.config.compile.enable, "compile.enable = true"),
+    Scope(("float8.recipe", "float8.fsdp_float8_all_gather"), lambda f: f.config.float8.enable, "float8.enable = true"),
+    Scope(
+        ("data.glob",),
+        lambda f: bool(f.config.data.path) and (f.config.data.dataset == "builtin" or f.config.data.tokenizer == "builtin"),
+        "data.path names a folder that the run reads (the built-in dataset, or the built-in tokenizer's corpus)",
+    ),
+    Scope(("data.vocab_size",), lambda f: f.config.data.tokenizer == "builtin", "data.tokenizer = 'builtin' (a file brings its own vocabulary)"),
+    Scope(("data.stream", "data.stream_workers"), lambda f: f.config.data.dataset == "streaming", "data.dataset = 'streaming'"),
+    Scope(
+        ("data.shards", "data.sampling", "data.stages", "data.max_epochs", "data.allow_mixture_change"),
+        lambda f: f.config.data.dataset == "shards", "data.dataset = 'shards'",
+    ),
+    Scope(
+        ("data.on_exhausted",),
+        lambda f: f.config.data.dataset == "shards" and bool(f.config.data.max_epochs),
+        "data.dataset = 'shards' with data.max_epochs",
+    ),
+    Scope(("training.max_rollbacks",), lambda f: f.config.training.nonfinite == "rollback", "training.nonfinite = 'rollback'"),
+    Scope(("lr_scheduler.decay_ratio",), lambda f: f.config.lr_scheduler.decay_type == "wsd", "lr_scheduler.decay_type = 'wsd'"),
+    Scope(("fault_tolerance.*",), lambda f: f.config.fault_tolerance.enable, "fault_tolerance.enable = true", ("fault_tolerance.enable",)),
+    Scope(("fault_tolerance.sync_every",), lambda f: bool(f.config.fault_tolerance.semi_sync), "fault_tolerance.semi_sync is set"),
+    Scope(
+        ("fault_tolerance.outer_lr", "fault_tolerance.outer_momentum", "fault_tolerance.outer_nesterov"),
+        lambda f: f.config.fault_tolerance.semi_sync == "diloco", "fault_tolerance.semi_sync = 'diloco'",
+    ),
+)
+
+
+def active(f: Facts) -> list[str]:
+    """The declared features this run has, in declaration order."""
+    return [feature.name for feature in _DEFINED if feature.on(f)]
+
+
+def refuse_conflicts(f: Facts) -> None:
+    """ConfigError naming both features for the first declared pair this run combines."""
+    on = set(active(f))
+    for conflict in CONFLICTS:
+        if conflict.first in on and conflict.second in on and conflict.when(f):
+            raise ConfigError(conflict.line())
+
+
+def _given(config: Config) -> list[str]:
+    """The keys the user set: those loaded from a recipe or the command line, else those off their defaults."""
+    if config.given is not None:
+        return sorted(config.given)
+    keys = []
+    for section in dataclasses.fields(config):
+        values, default = getattr(config, section.name), type(getattr(config, section.name))()
+        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(values) if getattr(values, f.name) != getattr(default, f.name)]
+    return keys
+
+
+def _covers(scope: Scope, key: str) -> bool:
+    if key in scope.except_keys:
+        return False
+    return key in scope.keys or f"{key.partition('.')[0]}.*" in scope.keys
+
+
+def _value(config: Config, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(config, section), name)
+
+
+def refuse_idle_settings(f: Facts) -> None:
+    """ConfigError for the first setting the user gave where it cannot act (in declaration order of the scopes)."""
+    given = _given(f.config)
+    for scope in SCOPES:
+        if scope.acts(f):
+            continue
+        for key in given:
+            if _covers(scope, key):
+                raise ConfigError(
+                    f"{key} = {_value(f.config, key)!r} has no effect: it acts only when {scope.condition}, which this "
+                    f"{f.config.model.name} {f.config.model.flavor} run is not; drop the setting"
+                )
