@@ -10,6 +10,11 @@
   group 0 at the next sync and receives its state there (weights, inner and outer optimizer, data position), both
   end with the same weights bit for bit (their inner optimizer moments differ: each steps on its own gradients), and
   the held-out loss after 30 steps is within 10% of HSDP's;
+- MoE bias balancing and QK-clip together (DeepSeek-V3 `tiny`, Muon, 6 steps): the balancing counts and the heads'
+  largest logits are reduced over the quorum, so 2 groups x FSDP 2 match HSDP 2 x 2 within 1e-5 with the same heads
+  clipped at every step and end with equal weights and expert biases; a flipped bit of an expert bias is found;
+- groups started with different layouts (FSDP 2 and TP 2) both stop at their first quorum with one line naming the
+  setting;
 - bad input: torchft missing, a Lighthouse that does not answer, a layout the groups cannot manage.
 """
 
@@ -134,6 +139,74 @@ def diloco(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict:
     hold = ["--fault_injection.rank", "1", "--fault_injection.sleep_at_step", "6", "--fault_injection.sleep_seconds", "120"]
     logs = _run_groups(w, killed, [both, both + hold], kill_after_step=5, steps=DILOCO_STEPS, min_replicas=2)
     return {"hsdp": hsdp, "killed": killed, "logs": logs}
+
+
+MOE_STEPS = 6
+# DeepSeek-V3 `tiny`: one MoE block and two prediction modules with MoE blocks, each with its own expert_bias, and MLA
+# attention that QK-clip rescales. Tau 0.08 lies inside the heads' largest logits (as in test_muon_clip_mla.py), so
+# at some steps some heads are clipped and others are not.
+MOE_CLIP = ["--model.name", "deepseek_v3", "--model.n_layers", "2", "--training.seq_len", "32"]
+MOE_CLIP += ["--optimizer.name", "Muon", "--moe.bias_update_rate", "0.01", "--optimizer.qk_clip_threshold", "0.08"]
+FLIPPED_BIAS = "layers.1.moe.expert_bias"
+
+
+@pytest.fixture(scope="module")
+def moe_clip(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict:
+    w = tmp_path_factory.mktemp("moe_clip")
+    (w / "cache").symlink_to(data_cache)
+    hsdp = _hsdp(w, MOE_STEPS, MOE_CLIP)
+    run = w / "moe"
+    # Both groups save after the last step; then one bit of an expert bias flips on rank 1 of group 1, and the check
+    # of that step stops both groups.
+    both = [*MOE_CLIP, "--checkpoint.enable", "true", "--checkpoint.interval", str(MOE_STEPS)]
+    both += ["--fault_tolerance.replica_check_interval", str(MOE_STEPS)]
+    flip = ["--fault_injection.rank", "1", "--fault_injection.flip_bit_at_step", str(MOE_STEPS)]
+    flip += ["--fault_injection.flip_bit_parameter", FLIPPED_BIAS]
+    logs = _run_groups(w, run, [both, both + flip], expect_ok=False, steps=MOE_STEPS)
+    return {"hsdp": hsdp, "run": run, "logs": logs}
+
+
+def test_moe_biases_and_qk_clip_agree_across_groups_and_match_hsdp(moe_clip) -> None:
+    reference = dict(enumerate(moe_clip["hsdp"].losses, start=1))
+    clipped = dict(enumerate(moe_clip["hsdp"].clipped_heads, start=1))
+    assert 0 < sum(clipped.values()), clipped  # tau clips
+    states = []
+    for group in (0, 1):
+        rows = [row for row in metrics_rows(moe_clip["run"] / f"replica_{group}") if "loss" in row]
+        assert [row["step"] for row in rows] == list(range(1, MOE_STEPS + 1))
+        for row in rows:
+            assert abs(row["loss"] - reference[row["step"]]) <= 1e-5, (group, row["step"], row["loss"], reference)
+            assert row["qk_clipped_heads"] == clipped[row["step"]], (group, row["step"])
+        states.append(_final_state(moe_clip["run"] / f"replica_{group}", MOE_STEPS))
+    biases = [key for key in states[0] if key.endswith("expert_bias")]
+    assert len(biases) == 3 and all(states[0][key].abs().sum() > 0 for key in biases)
+    # Saved before the bit flips: every weight and every bias is equal bit for bit in both groups.
+    weights = [key for key in states[0] if key.startswith("model.")]
+    assert [key for key in weights if not torch.equal(states[0][key], states[1][key])] == []
+
+
+def test_a_flipped_bit_in_an_expert_bias_is_found_naming_it(moe_clip) -> None:
+    line = (
+        f"meshloom: silent data corruption: buffer {FLIPPED_BIAS} differs between replica groups "
+        "(replica group 0 rank 1, replica group 1 rank 1), where its copies must be equal"
+    )
+    for log in moe_clip["logs"]:
+        assert line in log, log[-4000:]
+
+
+def test_groups_started_with_different_layouts_stop_with_one_line(tmp_path: Path, data_cache: Path) -> None:
+    (tmp_path / "cache").symlink_to(data_cache)
+    start = time.monotonic()
+    tp = ["--parallelism.dp_shard", "1", "--parallelism.tp", "2"]
+    logs = _run_groups(tmp_path, tmp_path / "layouts", [[], tp], expect_ok=False)
+    line = (
+        "meshloom: error: replica groups must be started alike, but parallelism.dp_shard is 2 in replica group 0 and "
+        "1 in replica group 1; start every group with the same settings"
+    )
+    for group, log in enumerate(logs):
+        assert line in log, log[-4000:]
+        assert step_losses(metrics_rows(tmp_path / "layouts" / f"replica_{group}")) == {}  # stopped before training
+    print(f"layout mismatch found in {time.monotonic() - start:.1f} s")
 
 
 def _final_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:

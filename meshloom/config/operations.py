@@ -162,7 +162,8 @@ class FaultInjectionConfig:
     on `rank` (0 = never): silent data corruption for fault_tolerance.replica_check_interval to find."""
 
     flip_bit_parameter: str = ""
-    """The parameter flip_bit_at_step corrupts, by its name in model.named_parameters(); empty = the first one."""
+    """The parameter or persistent buffer (an MoE layer's expert_bias) flip_bit_at_step corrupts, by its name in
+    model.named_parameters() or model.state_dict(); empty = the first parameter."""
 
     nan_sample_id: int = -1
     """A step whose batch holds this dataset sample id gets a NaN gradient in nan_parameter, in every attempt:

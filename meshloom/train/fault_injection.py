@@ -74,18 +74,20 @@ class FaultInjector:
         """After the update of flip_bit_at_step: one flipped bit in one parameter on one rank."""
         if step != self.config.flip_bit_at_step or not self._targets_me():
             return
+        from meshloom.train.replica_check import named_persistent_buffers  # it imports plain_name from here
+
         wanted = self.config.flip_bit_parameter
-        for part in model_parts:
-            for name, param in part.named_parameters():
-                if not wanted or plain_name(name) == wanted:
-                    local = local_tensor(param)
-                    words = local.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()])
-                    words[0] ^= 1
-                    print(f"fault injection: rank {rank()} flips a bit of {plain_name(name)} after step {step}", file=sys.stderr, flush=True)
-                    return
+        params = [(plain_name(name), param) for part in model_parts for name, param in part.named_parameters()]
+        for name, tensor in params + named_persistent_buffers(model_parts):
+            if not wanted or name == wanted:
+                local = local_tensor(tensor)
+                words = local.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()])
+                words[0] ^= 1
+                print(f"fault injection: rank {rank()} flips a bit of {name} after step {step}", file=sys.stderr, flush=True)
+                return
         raise UserError(
-            f"fault_injection.flip_bit_parameter {wanted!r} is not a parameter on rank {rank()}; name one from "
-            "model.named_parameters(), or leave it empty for the first parameter"
+            f"fault_injection.flip_bit_parameter {wanted!r} is not a parameter or persistent buffer on rank {rank()}; "
+            "name one from model.named_parameters() or model.state_dict(), or leave it empty for the first parameter"
         )
 
     @torch.no_grad()

@@ -11,10 +11,15 @@ maximum comes from:
 - context parallel: a rank holds one shard of every sequence; its attention scores its own queries against the whole
   sequence's keys (gathered over cp, no gradient), so each rank has the maxima of its queries and a MAX over
   ``dp_cp`` completes them, as for data parallel;
-- pipeline parallel: stages hold different layers, so nothing is reduced; the clipped-head count is summed over pp.
+- pipeline parallel: stages hold different layers, so nothing is reduced; the clipped-head count is summed over pp;
+- replica groups (``fault_tolerance``): each group saw other sequences, so the maxima are MAX-reduced over the groups
+  of the step's quorum too (the trainer's ``reduce_over_quorum``), as HSDP does over dp_replicate. The trainer asks for
+  the maxima (:meth:`QKClip.reduce_maxima`) before the groups commit the step, so every group clips alike.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,8 +46,17 @@ NEAR_TAU = 1e-5
 class QKClip:
     """Tracks and clips the attention heads of this rank's model parts; inert when the threshold is 0."""
 
-    def __init__(self, targets: list[ClipTarget], tau: float, dims: ParallelDims | None):
+    def __init__(
+        self,
+        targets: list[ClipTarget],
+        tau: float,
+        dims: ParallelDims | None,
+        across_groups: Callable[[Tensor, str], None] | None = None,
+    ):
         self.targets, self.tau, self.dims = targets, tau, dims
+        # Replica groups: max-reduces a tensor in place over the step's quorum (ReplicaGroup.reduce_over_quorum).
+        self.across_groups = across_groups
+        self._maxima: Tensor | None = None
         self.enabled = tau > 0
         self.clipped_heads = 0  # at the latest update, over the whole model
         # Heads whose largest logit lay within float rounding (NEAR_TAU, relative) of tau at the latest update: a
@@ -53,22 +67,37 @@ class QKClip:
             target.attention.track_max_logits = self.enabled
 
     @classmethod
-    def build(cls, spec: ModelSpec, model_parts: list[nn.Module], tau: float, dims: ParallelDims) -> QKClip:
+    def build(
+        cls,
+        spec: ModelSpec,
+        model_parts: list[nn.Module],
+        tau: float,
+        dims: ParallelDims,
+        across_groups: Callable[[Tensor, str], None] | None = None,
+    ) -> QKClip:
         if tau <= 0 or spec.qk_clip is None:
             return cls([], 0.0, None)
-        return cls([target for part in model_parts for target in spec.qk_clip(part)], tau, dims)
+        return cls([target for part in model_parts for target in spec.qk_clip(part)], tau, dims, across_groups)
 
     def discard(self) -> None:
         """Forget the maxima of a step whose update was dropped."""
         for target in self.targets:
             target.attention.max_logits = None
+        self._maxima = None
+
+    @torch.no_grad()
+    def reduce_maxima(self) -> None:
+        """Reduce this step's per-head maxima over every rank and replica group that saw each head; call on every rank
+        after backward (after_update does it itself when this was not called)."""
+        if self.enabled:
+            self._maxima = self._global_maxima()
 
     @torch.no_grad()
     def after_update(self) -> int:
         """Rescale the heads whose largest logit of this step exceeded tau; returns how many query heads that was."""
         if not self.enabled:
             return 0
-        maxima = self._global_maxima()
+        maxima = self._maxima if self._maxima is not None else self._global_maxima()
         clipped = torch.zeros((), dtype=torch.int64, device=maxima.device)
         near = torch.zeros((), dtype=torch.int64, device=maxima.device)
         offset = 0
@@ -108,6 +137,8 @@ class QKClip:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dims.mesh("tp").get_group())
         if self.targets and self.dims is not None and self.dims.is_distributed and self.dims.mesh("dp_cp").size() > 1:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dims.mesh("dp_cp").get_group())
+        if self.targets and self.across_groups is not None:
+            self.across_groups(maxima, "max")
         return maxima
 
     def metrics(self) -> dict[str, float]:

@@ -2,7 +2,9 @@
 several ranks are compared by fingerprint, and a mismatch stops the run naming the ranks and the first parameter.
 
 Copies that must agree:
-- across replica groups: group rank r of every group holds the same shards (same layout, same updates);
+- across replica groups: group rank r of every group holds the same shards (same layout, same updates) and the same
+  persistent buffers, which training updates alike in every group (an MoE layer's expert_bias; non-persistent
+  buffers are per rank or derived and are left out);
 - inside a group: a DTensor's local tensor is the same on every rank of each mesh dimension where its placement is
   `Replicate` (parameters replicated under tensor parallelism, such as norms).
 
@@ -39,6 +41,19 @@ def named_local_parameters(model_parts: list[nn.Module]) -> list[tuple[str, torc
         for name, param in part.named_parameters():
             dtensor = param if isinstance(param, DTensor) else None
             out.append((plain_name(name), param.to_local() if dtensor is not None else param, dtensor))
+    return out
+
+
+def named_persistent_buffers(model_parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint saves (an MoE layer's expert_bias), by plain name. Non-persistent buffers are per
+    rank or derived (a step's token counts, rotary tables) and are left out."""
+    out = []
+    for part in model_parts:
+        for prefix, module in part.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+                    out.append((plain_name(f"{prefix}.{name}" if prefix else name), local))
     return out
 
 
@@ -91,18 +106,19 @@ def check_within_group(model_parts: list[nn.Module]) -> None:
 
 
 def check_across_groups(model_parts: list[nn.Module], all_gather, live: int, replica_id: int, group_rank: int) -> None:
-    """Compare this group rank's parameters with the same group rank of every live replica group.
+    """Compare this group rank's parameters and persistent buffers with the same group rank of every live group.
 
     all_gather(out_list, tensor) runs over the quorum's groups (one copy per group)."""
-    items = named_local_parameters(model_parts)
+    items = [(f"parameter {name}", t) for name, t, _ in named_local_parameters(model_parts)]
+    items += [(f"buffer {name}", t) for name, t in named_persistent_buffers(model_parts)]
     # The last row says whose copy it is.
-    local = torch.stack([fingerprint(t) for _, t, _ in items] + [torch.tensor([replica_id, group_rank])])
+    local = torch.stack([fingerprint(t) for _, t in items] + [torch.tensor([replica_id, group_rank])])
     gathered = _gather(local, live, all_gather)
-    found = _first_mismatch([n for n, _, _ in items], [g[:-1] for g in gathered])
+    found = _first_mismatch([n for n, _ in items], [g[:-1] for g in gathered])
     if found is not None:
         name, odd = found
         where = ", ".join(f"replica group {int(gathered[i][-1, 0])} rank {group_rank}" for i in odd)
         raise SilentCorruptionError(
-            f"silent data corruption: parameter {name} differs between replica groups ({where}), where its copies "
+            f"silent data corruption: {name} differs between replica groups ({where}), where its copies "
             "must be equal; stop and check those devices"
         )

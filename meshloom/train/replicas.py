@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torch import nn
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.fault_tolerance import FaultToleranceConfig
 from meshloom.config.schema import Config
+from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.distributed import rank, restart_attempt, share_error
 from meshloom.tensors import local_tensor
 from meshloom.train.replica_check import (
@@ -41,9 +42,11 @@ from meshloom.train.replica_check import (
     check_across_groups,
     check_within_group,
 )
+from meshloom.train.replica_settings import check_groups_agree, settings_that_must_agree
 from meshloom.train.semi_sync import start_semi_sync
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+Reduction = Literal["sum", "max"]
 
 
 def lighthouse_address(settings: FaultToleranceConfig) -> str:
@@ -94,6 +97,9 @@ class NoReplicas:
     def average(self, model_parts: list[nn.Module], loss_parts: torch.Tensor) -> torch.Tensor:
         return loss_parts
 
+    def reduce_over_quorum(self, tensor: torch.Tensor, op: Reduction) -> None:
+        pass
+
     def should_commit(self) -> bool:
         return True
 
@@ -110,13 +116,15 @@ class NoReplicas:
 class ReplicaGroup(NoReplicas):
     """This group's torchft Manager and the per-step hooks the trainer calls."""
 
-    def __init__(self, config: Config, device: torch.device, samples_per_group_step: int):
+    def __init__(self, config: Config, dims: ParallelDims, device: torch.device, samples_per_group_step: int):
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         ft = config.fault_tolerance
         self.settings, self.group_size, self.replica_id = ft, ft.group_size, ft.replica_id
         self.samples_per_group_step = samples_per_group_step
+        self.must_agree = settings_that_must_agree(config, dims)
+        self.checked_quorum: int | None = None
         # Checked here, not in RunPlan: eval and generate read a fault-tolerant run's settings without a Lighthouse.
         if not (address := lighthouse_address(ft)):
             raise ConfigError(
@@ -187,7 +195,30 @@ class ReplicaGroup(NoReplicas):
             time.sleep(0.2)
         if live != self.live:
             self._quorum_event(live)
+        self._check_settings(live)
         self._data_before = self.state.data_loader.state_dict()
+
+    def _check_settings(self, live: int) -> None:
+        """At each new quorum of several groups: every group was started with the same settings (replica_settings)."""
+        # torchft rebuilds its process group only when the quorum's members change, and numbers each such quorum;
+        # every group of a quorum sees the same number, so all of them join this exchange or none does.
+        quorum = self.manager._quorum_id
+        if quorum == self.checked_quorum:
+            return
+        self.checked_quorum = quorum
+        if live <= 1:
+            return
+        try:
+            check_groups_agree(self.must_agree, self._all_gather, live, self.replica_id)
+        except (RuntimeError, TimeoutError) as err:  # a group failed: the next quorum, without it, compares again
+            reason = str(err).splitlines()[0][:200]
+            self._event(self.state.progress.step, {"event": "settings_check_skipped", "reason": reason})
+
+    def _all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """One copy of `tensor` from this group rank of every group in the quorum."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        self.pg.allgather([out], [tensor], AllgatherOptions()).wait()
 
     def _quorum_event(self, live: int) -> None:
         event = {"event": "quorum", "replicas": live, "previous": self.live}
@@ -215,6 +246,18 @@ class ReplicaGroup(NoReplicas):
                 offset += t.numel()
         return loss_parts
 
+    def reduce_over_quorum(self, tensor: torch.Tensor, op: Reduction) -> None:
+        """Sum or max `tensor` in place over this group rank of every group in the step's quorum: statistics that
+        every group must apply alike (MoE token counts, QK-clip maxima). Call it after backward and before
+        should_commit, so that a group failing here makes the step run again everywhere. Semi-synchronous groups
+        train alone between syncs: nothing is reduced."""
+        if self.settings.semi_sync:
+            return
+        from torch.distributed import ReduceOp
+
+        # torchft averages unless told otherwise; SUM and MAX reach the process group as they are, exact.
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM if op == "sum" else ReduceOp.MAX).wait()
+
     def should_commit(self) -> bool:
         """Whether every group in the quorum finished this step; if not, the loader goes back to re-run it."""
         if self.settings.semi_sync:
@@ -235,13 +278,8 @@ class ReplicaGroup(NoReplicas):
         # Semi-synchronous groups hold equal weights only right after a sync.
         synced = not self.settings.semi_sync or step % self.settings.sync_every == 0
         if self.live > 1 and synced:
-            from torch.distributed.distributed_c10d import AllgatherOptions
-
-            def all_gather(out: list[torch.Tensor], tensor: torch.Tensor) -> None:
-                self.pg.allgather([out], [tensor], AllgatherOptions()).wait()
-
             try:
-                check_across_groups(model_parts, all_gather, self.live, self.replica_id, rank())
+                check_across_groups(model_parts, self._all_gather, self.live, self.replica_id, rank())
             except SilentCorruptionError:
                 raise
             except (RuntimeError, TimeoutError) as err:  # a group failed during the check: the next quorum leaves it out
@@ -254,7 +292,9 @@ class ReplicaGroup(NoReplicas):
         self.manager.shutdown(wait=False)
 
 
-def join_replica_groups(config: Config, device: torch.device, samples_per_group_step: int) -> NoReplicas:
+def join_replica_groups(
+    config: Config, dims: ParallelDims, device: torch.device, samples_per_group_step: int
+) -> NoReplicas:
     if not config.fault_tolerance.enable:
         return NoReplicas()
-    return ReplicaGroup(config, device, samples_per_group_step)
+    return ReplicaGroup(config, dims, device, samples_per_group_step)

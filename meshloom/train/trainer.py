@@ -86,11 +86,14 @@ class Trainer:
         seed_everything(config.training.seed, config.training.deterministic)
         self.data = self._build_data()
         self._build_model()
-        self.moe = MoEBalancer(self.model_parts, self.plan, self.device)
+        self.moe = MoEBalancer(self.model_parts, self.plan, self.device, self.replicas.reduce_over_quorum)
         self.optimizers = [build_optimizer(part, config.optimizer, self.device, self.plan.spec.adamw_only) for part in self.model_parts]
         # One optimizer per pipeline stage, so a checkpoint pairs each stage with its own optimizer state.
         self.optimizer = self.optimizers[0] if self.pipeline is None else OptimizerGroup(self.optimizers)
-        self.qk_clip = QKClip.build(self.plan.spec, self.model_parts, config.optimizer.qk_clip_threshold, self.dims)
+        self.qk_clip = QKClip.build(
+            self.plan.spec, self.model_parts, config.optimizer.qk_clip_threshold, self.dims,
+            self.replicas.reduce_over_quorum,
+        )  # fmt: skip
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.nonfinite = NonFinitePolicy(config.training, self.run_dir, self.model, self.checkpointer)
         self.checkpointer.bind(TrainingParts(
@@ -121,7 +124,8 @@ class Trainer:
             self.dims.build_mesh(self.device.type)
             self.dp_rank = self.dims.mesh("dp").get_local_rank()
         samples_per_step = self.config.training.local_batch_size * self.plan.dp * self.grad_accum_steps
-        self.replicas = join_replica_groups(self.config, self.device, samples_per_step)  # fault_tolerance: early heartbeat
+        # fault_tolerance: an early heartbeat
+        self.replicas = join_replica_groups(self.config, self.dims, self.device, samples_per_step)
         # Context parallel: every rank of a cp group reads the same samples and keeps its shard of each sequence.
         self.shard_batch = batch_sharder(self.dims, context_layout(self.dims, self.config.parallelism))
 
@@ -252,6 +256,9 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.finish_backward()
         parts = self.replicas.average(self.model_parts, parts)
+        # Before the commit: a replica group that fails during these reductions makes every group run the step again.
+        self.moe.reduce_step_stats()
+        self.qk_clip.reduce_maxima()
         norm_params = self.pipeline.norm_parameters() if self.pipeline is not None else self.model.parameters()
         grad_norm_tensor = global_grad_norm(norm_params, pp_mesh)
         grad_norm = float(grad_norm_tensor)
@@ -260,6 +267,7 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]
         if not self.replicas.should_commit():
             self.moe.after_step(updated=False)
+            self.qk_clip.discard()  # the step runs again and tracks its maxima afresh
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss_value, grad_norm, lr, True, sample_ids, aux=aux, retried=True)
         self.progress.step += 1
