@@ -5,8 +5,9 @@ data.document_mask, so most sequences hold several documents and the masks chang
 covered: Llama 3 and Qwen3 (grouped-query attention, Qwen3's MoE under expert parallel) and DeepSeek-V3 (MLA, whose
 v head size differs from q/k's, and multi-token prediction, whose labels cross shards). Layouts: CP 2, CP 4,
 CP 2 x TP 2, CP 2 x PP 2 and CP 2 x EP 2, some with head-tail balancing and some with the document-aware one
-(parallelism.cp_document_balance), whose layout changes every batch. All cases of one world size share one
-launch (testing/resume_parity.py): one launch of 4 ranks and one of 2.
+(parallelism.cp_document_balance), whose layout changes every batch. QK-clip under CP 2 clips the heads one process
+clips: its maxima take only the logits the document mask allows. All cases of one world size share one launch
+(testing/resume_parity.py): one launch of 4 ranks and one of 2.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from shard_fixtures import document, load_tokenizer, prepared, tokenizer_json
 
-from meshloom.testing.layout_parity import FP32_TOLERANCE
+from meshloom.testing.layout_parity import FP32_TOLERANCE, clip_mismatches
 from meshloom.testing.resume_parity import Case, CaseResult, launch, run_case
 
 LLAMA = ["--model.name", "llama3"]
@@ -29,6 +30,9 @@ BALANCE = ",cp_document_balance=true"
 # Not one microbatch per sequence: each costs every rank the same fixed overhead (the schedules are test_pipeline.py's).
 TWO_MICROBATCHES = ",pipeline.microbatches=2"
 STEPS = 6
+# A threshold that clips some of the tiny model's 16 heads at every step, not all (2, 2, 5, 9, 13, 12 in one process);
+# with the cross-document logits counted, CP 2 clipped 2, 5, 3, 10, 14, 13.
+QK_CLIP = LLAMA + ["--optimizer.lr", "3e-3", "--optimizer.qk_clip_threshold", "0.12"]
 
 # name -> (layout, family overrides, reference)
 CASES = {
@@ -42,8 +46,10 @@ CASES = {
     "llama3_cp2_doc": ("cp=2" + BALANCE, LLAMA, "llama3"),
     "qwen3moe_cp2_ep2_doc": ("cp=2,ep=2" + BALANCE, QWEN_MOE, "qwen3moe"),
     "deepseek_cp2_ep2": ("cp=2,ep=2", DEEPSEEK, "deepseek"),
+    "llama3_cp2_qk_clip": ("cp=2", QK_CLIP, "qk_clip"),
+    "llama3_cp2_doc_qk_clip": ("cp=2" + BALANCE, QK_CLIP, "qk_clip"),
 }
-REFERENCES = {"llama3": LLAMA, "qwen3": QWEN, "qwen3moe": QWEN_MOE, "deepseek": DEEPSEEK}
+REFERENCES = {"llama3": LLAMA, "qwen3": QWEN, "qwen3moe": QWEN_MOE, "deepseek": DEEPSEEK, "qk_clip": QK_CLIP}
 
 
 def _texts() -> list[str]:
@@ -84,6 +90,18 @@ def test_document_masked_context_parallel_matches_one_process(runs, name):
     assert abs(reference.grad_norms[-1] - result.grad_norms[-1]) <= FP32_TOLERANCE
     for aux, values in reference.aux.items():  # multi-token prediction, MoE balance losses
         assert max(abs(a - b) for a, b in zip(values, result.aux[aux], strict=True)) <= FP32_TOLERANCE, aux
+
+
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case[2] == "qk_clip"])
+def test_qk_clip_under_context_parallel_clips_the_heads_of_one_process(runs, name):
+    _, out = runs
+    reference, result = out["ref_qk_clip"], out[name]
+    assert all(0 < len(heads) < 16 for heads in reference.clipped_heads), reference.clipped_heads
+    counts = [len(heads) for heads in result.clipped_heads]
+    mismatches = clip_mismatches(
+        result.clipped_heads, reference.clipped_heads, result.near_tau_heads, reference.near_tau_heads
+    )
+    assert not mismatches, (counts, [len(heads) for heads in reference.clipped_heads], mismatches)
 
 
 def test_attention_imbalance_is_reported(runs):

@@ -192,3 +192,19 @@ def test_missing_and_incompatible_sources_are_clear_errors(trained_run, tmp_path
     shutil.copytree(run / "checkpoint", empty_run / "checkpoint")
     assert generate_main([str(empty_run), "--prompt", "x"]) == 2
     assert "data.tokenizer = 'builtin' (vocab_size 512) is not cached in data.cache_dir" in capsys.readouterr().err
+
+
+def test_generate_plans_the_run_and_refuses_a_tokenizer_larger_than_the_model(trained_run, tmp_path, capsys) -> None:
+    """`generate` builds the RunPlan of its model, whose checks read the tokenizer file it is given."""
+    from meshloom.data.tokenizer import train_bpe
+
+    run, _ = trained_run
+    tok = train_bpe(["the quick brown fox jumps over the lazy dog " * 20], 280)
+    tok.add_special_tokens([f"<|extra_{i}|>" for i in range(600 - tok.get_vocab_size())])
+    big = tmp_path / "big.json"
+    big.write_text(tok.to_str())
+    assert generate_main([str(run), "--prompt", "the fox", "--tokenizer", str(big), "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"meshloom: error: data.tokenizer = '{big}' has 600 tokens, more than the model's vocab_size 512; use a "
+        "tokenizer of at most 512 tokens or a model flavour with a larger vocabulary"
+    ]

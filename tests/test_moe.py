@@ -5,6 +5,7 @@ the statistics under activation checkpointing."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from meshloom.config.errors import ConfigError
 from meshloom.config.loader import load_config
 from meshloom.models.common.moe import MoE, MoEArgs
+from meshloom.models.registry import get_model_args
 from meshloom.models.common.router import (
     TokenChoiceRouter,
     router_z_loss,
@@ -141,7 +143,7 @@ def test_bias_update_uses_the_counts_of_every_microbatch(tmp_path):
     layer = make_moe()
     plan = _plan(tmp_path, "--moe.bias_update_rate", "0.01", "--training.global_batch_size", "16", "--training.local_batch_size", "8")
     part = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"moe": layer})})})
-    balancer = MoEBalancer([part], plan, torch.device("cpu"))
+    balancer = MoEBalancer([part], plan)
     assert layer.loss_scale == 0.5  # two accumulation steps
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randn(2, 16, 16, generator=gen) for _ in range(2)]
@@ -220,10 +222,15 @@ def test_sequence_balance_loss_is_one_when_balanced():
 
 
 def test_grouped_mm_on_where_unsupported_is_a_config_error(tmp_path):
-    plan = _plan(tmp_path, "--moe.grouped_mm", "on", "--training.mixed_precision", "bf16")
-    with pytest.raises(ConfigError, match=r"moe.grouped_mm = 'on', but .* on cpu in torch.bfloat16 with moe's expert sizes \[12, 16\]"):
-        MoEBalancer([torch.nn.ModuleDict({"moe": make_moe()})], plan, torch.device("cpu"))
-    MoEBalancer([torch.nn.ModuleDict({"moe": make_moe(hidden_dim=16)})], plan, torch.device("cpu"))
+    """Decided from the shapes and the device before anything is built: bf16 rows of 12 experts' hidden units are 24
+    bytes, not a multiple of 16."""
+    config = load_config(["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--job.dump_folder", str(tmp_path),
+                          "--moe.grouped_mm", "on", "--training.mixed_precision", "bf16"])  # fmt: skip
+    args = get_model_args("qwen3", "tiny_moe")
+    odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=12))
+    with pytest.raises(ConfigError, match=r"moe.grouped_mm = 'on', but .* on cpu in torch.bfloat16 with the experts' sizes \[12, 64\]"):
+        RunPlan.build(config, 1, torch.device("cpu"), model_args=odd)
+    RunPlan.build(config, 1, torch.device("cpu"), model_args=dataclasses.replace(args, moe=dataclasses.replace(args.moe, hidden_dim=16)))
 
 
 def test_bf16_grouped_matches_loop():

@@ -28,7 +28,9 @@ from meshloom.planning.dry_run import _build_rank0, dry_run
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.run_plan import RunPlan
-from meshloom.testing.layout_parity import FP32_TOLERANCE, Curve, ParityCase, base_overrides, launch as launch_layouts, run_steps
+from meshloom.testing.layout_parity import (
+    FP32_TOLERANCE, Curve, ParityCase, base_overrides, clip_mismatches, launch as launch_layouts, run_steps,
+)  # fmt: skip
 from meshloom.testing.ranks import run_ranks
 from meshloom.testing.resume_parity import Case, launch, run_case
 from meshloom.train.muon import MuonAdamW, optimizer_state_elements, parameter_kinds
@@ -67,11 +69,16 @@ def _argv(workdir: Path, name: str, layout: str, tau: float) -> list[str]:
 
 
 def _train(argv: list[str]) -> tuple[dict, Trainer]:
-    """Losses, gradient norms and clipped heads of a run in this process (alone, or one rank of a launch)."""
+    """Losses, gradient norms and clipped heads (in all, and which at each step) of a run in this process (alone, or
+    one rank of a launch)."""
     trainer = Trainer(load_config(argv))
-    results = [trainer.train_step() for _ in range(STEPS)]
+    results, clipped, near = [], [], []
+    for _ in range(STEPS):
+        results.append(trainer.train_step())
+        clipped.append([list(head) for head in trainer.qk_clip.clipped])
+        near.append([list(head) for head in trainer.qk_clip.near_tau])
     curve = {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-             "clipped_heads": trainer.qk_clip.total_clipped_heads}  # fmt: skip
+             "clipped_heads": trainer.qk_clip.total_clipped_heads, "clipped": clipped, "near_tau": near}  # fmt: skip
     return curve, trainer
 
 
@@ -154,8 +161,10 @@ def test_moe_experts_are_muon_matrices_and_the_router_stays_on_adamw():
 def test_qk_clip_layout_matches_one_process(clip_runs, layout):
     reference, _, curves, _ = clip_runs
     curve = curves[layout]
-    # The same heads were clipped as in one process (the count is summed over pipeline stages) ...
-    assert curve["clipped_heads"] == reference["clipped_heads"] > STEPS
+    # The same heads were clipped at every step as in one process (gathered over pipeline stages), except any whose
+    # largest logit lay within rounding of tau in either run ...
+    assert reference["clipped_heads"] > STEPS
+    assert not clip_mismatches(curve["clipped"], reference["clipped"], curve["near_tau"], reference["near_tau"]), layout
     assert _max_diff(curve["losses"], reference["losses"]) <= FP32_TOLERANCE, (layout, reference, curve)
     assert abs(curve["grad_norms"][-1] - reference["grad_norms"][-1]) <= FP32_TOLERANCE
 

@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
         inputs = (("the --prompts file", args.prompts),) if args.prompts is not None else ()
         check_output_file(output, args.overwrite, inputs)
     source = loading.resolve(args.source)
+    model_args = loading.inference_plan(source, device, args.tokenizer).model_args
     tokenizer = loading.load_tokenizer(source, args.tokenizer)
     bos = [] if args.no_bos else [tokenizer.bos_id]
     prompts = [bos + tokenizer.encode(text) for text in texts]
-    _, model_args = loading.model_args(source)
     check_prompts(prompts, args.max_new_tokens, model_args.max_seq_len)
     model = loading.load_model(source, device, dtype)
     assert max_context(model) == model_args.max_seq_len

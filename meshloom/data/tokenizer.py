@@ -18,7 +18,8 @@ from typing import Callable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from meshloom.config.errors import UserError
+from meshloom.config.errors import ConfigError, UserError
+from meshloom.config.schema import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,7 @@ class HFTokenizer(Tokenizer):
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.identity = identity
-        # Ids may be sparse in hand-made files; size the embedding to the largest id.
-        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.vocab_size = _hf_vocab_size(tok)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -93,6 +93,11 @@ class HFTokenizer(Tokenizer):
     def to_json(self) -> str:
         """The tokenizer as a Hugging Face tokenizer.json, which data.tokenizer = PATH reads back to the same ids."""
         return self._tok.to_str(pretty=True)
+
+
+def _hf_vocab_size(tok: tokenizers.Tokenizer) -> int:
+    # Ids may be sparse in hand-made files; size the embedding to the largest id.
+    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -303,3 +308,44 @@ def build_tokenizer(
     if path.suffix == ".json":
         return _hf_json(path)
     return _tiktoken(path)
+
+
+def file_vocab_size(path: Path) -> int | None:
+    """The vocabulary size of a tokenizer.json or tiktoken file, read without building the tokenizer (as
+    `build_tokenizer` would size it); None when the file does not parse (building it names the problem)."""
+    if path.suffix == ".json":
+        try:
+            return _hf_vocab_size(tokenizers.Tokenizer.from_file(str(path)))
+        except Exception:  # tokenizers raises a bare Exception on bad JSON
+            return None
+    try:
+        ranks = [int(line.split()[1]) for line in path.read_bytes().splitlines() if line.strip()]
+    except (ValueError, IndexError):
+        return None
+    return max(ranks) + 1 + LLAMA3_NUM_SPECIAL if ranks else None
+
+
+def check_tokenizer_file_fits(data: DataConfig, model_vocab_size: int) -> None:
+    """ConfigError when data.tokenizer is a file with more ids than the model's embedding. A file that is not on this
+    machine is not read: a dry run plans a cluster's run whose paths may exist only there, and the run checks it."""
+    if data.tokenizer == "builtin":
+        return
+    path = Path(data.tokenizer).expanduser()
+    size = file_vocab_size(path) if path.is_file() else None
+    if size is not None and size > model_vocab_size:
+        raise ConfigError(
+            f"data.tokenizer = {data.tokenizer!r} has {size} tokens, more than the model's vocab_size "
+            f"{model_vocab_size}; use a tokenizer of at most {model_vocab_size} tokens or a model flavour with a larger "
+            "vocabulary"
+        )
+
+
+def check_builtin_vocab_fits(data: DataConfig, model_vocab_size: int) -> None:
+    """ConfigError when the built-in BPE a training run trains (up to data.vocab_size ids) may outgrow the model's
+    embedding. Only a run that trains the tokenizer, or its dry run, asks: a plan of layouts, `eval` and `generate`
+    use a tokenizer that exists."""
+    if data.tokenizer == "builtin" and data.vocab_size > model_vocab_size:
+        raise ConfigError(
+            f"data.vocab_size = {data.vocab_size} exceeds the model's vocab_size {model_vocab_size}; lower "
+            "data.vocab_size or pick a model flavour with a larger vocabulary"
+        )

@@ -62,11 +62,12 @@ def _config(source: loading.InferenceSource, overrides: tuple[str, ...]) -> Conf
     return load_config(argv + list(_EVAL_SETTINGS) + list(overrides))
 
 
-def eval_plan(config: Config, world_size: int, args: Any) -> RunPlan:
-    """The training RunPlan, with its checks, for the source's own model shape (which may be no flavour)."""
+def eval_plan(config: Config, world_size: int, args: Any, device: torch.device | None = None) -> RunPlan:
+    """The training RunPlan, with its checks (of `device` when given), for the source's own model shape (which may be
+    no flavour)."""
     if config.parallelism.cp > 1:
         raise ConfigError("meshloom eval does not split sequences over ranks: set parallelism.cp = 1")
-    return RunPlan.build(config, world_size, model_args=args)
+    return RunPlan.build(config, world_size, device, model_args=args)
 
 
 def _sum_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -139,13 +140,13 @@ def evaluate(source_path: str | Path, options: EvalOptions) -> dict[str, Any]:
     config.training = dataclasses.replace(config.training, seq_len=seq_len, local_batch_size=options.batch_size, global_batch_size=-1)
     config.parallelism.loss_parallel = False  # whole logits on every tensor-parallel rank: a plain summed loss
     config.model.name, config.model.n_layers = spec.name, args.n_layers
-    plan = eval_plan(config, world_size_from_env(), args)
+    device = select_device(config.training.device)
+    plan = eval_plan(config, world_size_from_env(), args, device)
     tokenizer = loading.load_tokenizer(source, options.tokenizer)
     if tokenizer.vocab_size > args.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {args.vocab_size}; pass the model's own --tokenizer")
     eval_set = load_eval_set(options.data, tokenizer, config.data, options.text_field)
 
-    device = select_device(config.training.device)
     init_distributed(device, config.comm.init_timeout_seconds)
     if plan.dims.is_distributed:
         plan.dims.build_mesh(device.type)

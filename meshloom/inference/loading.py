@@ -16,7 +16,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from meshloom.checkpoint.hf import INDEX_FILE, WEIGHTS_FILE, HFFolder, from_hf
 from meshloom.config.errors import UserError
 from meshloom.config.schema import Config, DataConfig
 from meshloom.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from meshloom.planning.run_plan import RunPlan
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 
@@ -139,6 +142,23 @@ def model_args(source: InferenceSource) -> tuple[ModelSpec, Any]:
 
     spec, args, _ = read_model_args(source.checkpoint)
     return spec, args
+
+
+def inference_plan(source: InferenceSource, device: torch.device, tokenizer: str | None = None) -> RunPlan:
+    """The RunPlan of one process running the source's model on `device`, with its checks: the run's model, training
+    and data settings (defaults for a Hugging Face folder) and the tokenizer file it will read (`tokenizer`, else a
+    Hugging Face folder's own); what only training uses (layout, compile, Float8, checkpoints, optimizer) stays at
+    its defaults, since the whole model is loaded on one device."""
+    from meshloom.planning.run_plan import RunPlan  # noqa: PLC0415
+
+    spec, args = model_args(source)
+    saved = run_config(source) or Config()
+    if tokenizer is None and source.hf is not None:
+        tokenizer = str(source.path / HF_TOKENIZER_FILE)
+    data = saved.data if tokenizer is None else dataclasses.replace(saved.data, tokenizer=tokenizer)
+    training = dataclasses.replace(saved.training, seq_len=min(saved.training.seq_len, args.max_seq_len), device=device.type)
+    config = Config(model=dataclasses.replace(saved.model, name=spec.name), training=training, data=data)
+    return RunPlan.build(config, 1, device, model_args=args)
 
 
 def load_model(source: InferenceSource, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -23,14 +23,14 @@ from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ActivationCheckpointConfig, CompileConfig
 
 
-def check_compile_config(config: CompileConfig, device: torch.device, tp: int) -> None:
-    """Bad settings as ConfigErrors, before anything is built."""
+def check_compile_config(config: CompileConfig, device_type: str, tp: int) -> None:
+    """Bad settings as ConfigErrors, before anything is built; `device_type` is the run's ("cuda" or "cpu")."""
     if not config.async_tp:
         return
-    if device.type != "cuda":
+    if device_type != "cuda":
         raise ConfigError(
             "compile.async_tp needs CUDA GPUs (symmetric memory and inductor's micro-pipeline TP pass); "
-            f"this run is on {device.type}: set compile.async_tp = false"
+            f"this run is on {device_type}: set compile.async_tp = false"
         )
     if tp < 2:
         raise ConfigError(f"compile.async_tp overlaps tensor-parallel collectives, but parallelism.tp = {tp}; set tp >= 2")

@@ -324,17 +324,26 @@ class RingAttentionCore:
         return ring_attention(q, k, v, self.ring, layout, document_ids=document_ids, blocks=blocks)
 
     @torch.no_grad()
-    def whole_sequence_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def whole_sequence_keys(
+        self, k: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Every rank's key shard, gathered (no gradient): (keys [b, h, seq, d] in the ranks' shard order, this rank's
-        query positions [seq / cp], the keys' positions [seq]). QK-clip scores this rank's queries against them to find
-        each head's largest logit over pairs that sit on different ranks."""
+        query positions [seq / cp], the keys' positions [seq], the keys' document ids [b, seq] or None without
+        `document_ids` [b, seq / cp], this rank's). QK-clip scores this rank's queries against them to find each
+        head's largest logit over pairs that sit on different ranks."""
         cp, shard = self.ring.size, k.shape[2]
+        layout = self.layout.resolve()
         # Concatenated along dim 0 (the layout gloo and NCCL both take), then each rank's shard put in sequence order.
         gathered = torch.empty((cp * k.shape[0], *k.shape[1:]), dtype=k.dtype, device=k.device)
         dist.all_gather_into_tensor(gathered, k.contiguous(), group=self.ring.group)
         keys = gathered.unflatten(0, (cp, k.shape[0])).permute(1, 2, 0, 3, 4).flatten(2, 3)
-        positions = [self.layout.positions(cp * shard, r, k.device) for r in range(cp)]
-        return keys, positions[self.ring.rank], torch.cat(positions)
+        positions = [layout.positions(cp * shard, r, k.device) for r in range(cp)]
+        key_documents = document_ids
+        if document_ids is not None and cp > 1:
+            # The ring gathers the same ids for its masks right after this; the cache gathers them once for both.
+            documents = self.blocks.get(layout, shard, document_ids).documents  # [cp, b, shard]
+            key_documents = documents.permute(1, 0, 2).flatten(1)
+        return keys, positions[self.ring.rank], torch.cat(positions), key_documents
 
     def __repr__(self) -> str:
         return f"RingAttentionCore(cp={self.ring.size}, load_balance={self.layout.load_balance})"

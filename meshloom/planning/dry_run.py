@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
+from meshloom.data.tokenizer import check_builtin_vocab_fits
 from meshloom.parallel.apply import carve_stage, parallelize
 from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
 from meshloom.planning.layout import layout_of, precision_from_config
@@ -66,10 +67,13 @@ def _local_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def dry_run(config: Config, world_size: int) -> DryRunReport:
-    """Build rank 0 of a `world_size`-rank run of `config` on meta tensors; report its memory, FLOPs and traffic."""
+def dry_run(config: Config, world_size: int, trains_tokenizer: bool = False) -> DryRunReport:
+    """Build rank 0 of a `world_size`-rank run of `config` on meta tensors; report its memory, FLOPs and traffic.
+    `trains_tokenizer`: the run trains its built-in tokenizer (`meshloom train --dry-run`), whose size is checked too."""
     start = time.perf_counter()
     plan = RunPlan.build(config, world_size)
+    if trains_tokenizer:
+        check_builtin_vocab_fits(config.data, plan.model_args.vocab_size)
     layout = layout_of(plan)
     precision = precision_from_config(config)
     shape = plan.shape()
@@ -146,7 +150,7 @@ def main(argv: list[str]) -> int:
 
     try:
         world_size, rest = split_dry_run_args(argv)
-        print(dry_run(load_config(rest), world_size).format())
+        print(dry_run(load_config(rest), world_size, trains_tokenizer=True).format())
     except UserError as err:
         print(f"meshloom: error: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ Built from (config, world size) alone: no process group, no tensors (a meta-devi
 checks). The trainer, `--dry-run`, `meshloom plan`, `eval`, `generate`, the checkpoint pre-check and the parity
 harness all take a plan instead of re-deriving degrees, batch sizes, dtypes or pipeline stages, so they cannot
 disagree, and they refuse the same mistakes the same way before a process group exists. Files (data, tokenizer,
-prompts) are checked by the commands that read them: a dry run plans a cluster's run whose paths may exist only there.
+prompts) are checked by the commands that read them: a dry run plans a cluster's run whose paths may exist only there;
+a tokenizer file that exists here is read for its size.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ import torch
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.data.stages import check_mixture_settings
+from meshloom.data.tokenizer import check_tokenizer_file_fits
 from meshloom.inference.sampling import check_sampling_settings
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
+from meshloom.planning.device_checks import check_device_settings
 from meshloom.planning.features import Facts, refuse_conflicts, refuse_idle_settings
 from meshloom.parallel.activation_checkpoint import check_activation_checkpoint_config
-from meshloom.parallel.compile import check_compile_config
 from meshloom.parallel.dims import ParallelDims
-from meshloom.parallel.float8 import check_float8_config
 from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline
 from meshloom.observe.profiler import check_profiling_config
 from meshloom.planning.checks import (
@@ -56,8 +57,9 @@ class RunPlan:
 
     @classmethod
     def build(cls, config: Config, world_size: int, device: torch.device | None = None, model_args: Any = None) -> RunPlan:
-        """Raise ConfigError for any setting the model, the world size or (when given) the device rules out.
-        `model_args`: a model of the family that is no flavour of it (e.g. read from a Hugging Face config.json)."""
+        """Raise ConfigError for any setting the model, the world size or the device rules out (without `device`: the
+        device type training.device declares). `model_args`: a model of the family that is no flavour of it (e.g. read
+        from a Hugging Face config.json)."""
         if world_size < 1:
             raise ConfigError(f"the world size must be a positive number of ranks, got {world_size}")
         args = configured_model_args(config.model) if model_args is None else model_args
@@ -86,12 +88,10 @@ class RunPlan:
         _check_hf_export(config, spec)
         check_sampling_settings(config.validation)
         check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len)
-        if device is not None:
-            check_compile_config(config.compile, device, dims.tp)
-            if config.float8.enable:
-                with torch.device("meta"):  # shapes only: nothing is allocated
-                    check_float8_config(config.float8, spec.model_cls(args), device, dims.tp)
-        return cls(config, world_size, spec, args, dims, accumulation, pipeline)
+        check_tokenizer_file_fits(config.data, args.vocab_size)
+        plan = cls(config, world_size, spec, args, dims, accumulation, pipeline)
+        check_device_settings(plan, device)
+        return plan
 
     @property
     def dp(self) -> int:

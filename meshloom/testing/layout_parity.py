@@ -115,10 +115,11 @@ class Curve:
     validation: float | None = None
     # Per-step auxiliary losses the model reports itself (e.g. mtp_loss), by name.
     aux: dict[str, list[float]] = field(default_factory=dict)
-    # Per-step count of attention heads QK-clip rescaled (all zero unless optimizer.qk_clip_threshold > 0), and of
-    # heads whose largest logit was within rounding of the threshold (clipped or not depending on summation order).
-    clipped_heads: list[int] = field(default_factory=list)
-    near_tau_heads: list[int] = field(default_factory=list)
+    # Per step, the attention heads QK-clip rescaled, as sorted [layer, head] pairs (all empty unless
+    # optimizer.qk_clip_threshold > 0), and the heads whose largest logit was within rounding of the threshold (clipped
+    # or not depending on summation order).
+    clipped_heads: list[list[list]] = field(default_factory=list)
+    near_tau_heads: list[list[list]] = field(default_factory=list)
 
 
 def run_steps(argv: list[str]) -> Curve:
@@ -130,10 +131,25 @@ def run_steps(argv: list[str]) -> Curve:
     results, clipped, near = [], [], []
     for _ in range(trainer.config.training.steps):
         results.append(trainer.train_step())
-        clipped.append(trainer.qk_clip.clipped_heads)
-        near.append(trainer.qk_clip.near_tau_heads)
+        clipped.append([list(head) for head in trainer.qk_clip.clipped])
+        near.append([list(head) for head in trainer.qk_clip.near_tau])
     aux = {name: [r.aux[name] for r in results] for name in (results[0].aux if results else {})}
     return Curve([r.loss for r in results], [r.grad_norm for r in results], trainer.validate(), aux, clipped, near)
+
+
+def clip_mismatches(
+    ours: list[list[list]], theirs: list[list[list]], near_ours: list[list[list]], near_theirs: list[list[list]]
+) -> list[tuple[int, list[tuple]]]:
+    """(step, heads) for every step where the two runs clipped different heads (per-step [layer, head] lists, as in
+    Curve), leaving out the heads whose largest logit lay within rounding of tau in either run."""
+    assert len(ours) == len(theirs), (len(ours), len(theirs))
+    mismatches = []
+    for step, (a, b, near_a, near_b) in enumerate(zip(ours, theirs, near_ours, near_theirs, strict=True), start=1):
+        ties = {tuple(head) for head in near_a + near_b}
+        differ = ({tuple(head) for head in a} ^ {tuple(head) for head in b}) - ties
+        if differ:
+            mismatches.append((step, sorted(differ)))
+    return mismatches
 
 
 def check_cases(cases: dict[str, list[str]], world_size: int) -> None:

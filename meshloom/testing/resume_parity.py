@@ -53,6 +53,9 @@ class CaseResult:
     grad_norms: list[float] = field(default_factory=list)  # per step, before clipping
     # Per-step auxiliary losses the model reports itself (e.g. mtp_loss), by name.
     aux: dict[str, list[float]] = field(default_factory=dict)
+    # Per step, the heads QK-clip rescaled and those within rounding of tau, as in layout_parity.Curve.
+    clipped_heads: list[list[list]] = field(default_factory=list)
+    near_tau_heads: list[list[list]] = field(default_factory=list)
 
 
 def state_digest(trainer) -> dict[str, str]:
@@ -103,6 +106,8 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
     losses: list[float] = []
     grad_norms: list[float] = []
     aux: dict[str, list[float]] = {}
+    clipped: list[list[list]] = []
+    near: list[list[list]] = []
     train_step = trainer.train_step
 
     def recording_train_step():
@@ -111,6 +116,8 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
         grad_norms.append(result.grad_norm)
         for name, value in result.aux.items():
             aux.setdefault(name, []).append(value)
+        clipped.append([list(head) for head in trainer.qk_clip.clipped])
+        near.append([list(head) for head in trainer.qk_clip.near_tau])
         return result
 
     trainer.train_step = recording_train_step
@@ -133,7 +140,7 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
     else:
         everyone = [consumed]
     per_step = [sorted(set().union(*(rank_ids[i] for rank_ids in everyone))) for i in range(len(consumed))]
-    return CaseResult(losses, per_step, state_digest(trainer), grad_norms, aux)
+    return CaseResult(losses, per_step, state_digest(trainer), grad_norms, aux, clipped, near)
 
 
 def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshloom.config.errors import ConfigError
-from meshloom.models.common.moe import MoE, grouped_mm_supported
+from meshloom.models.common.moe import MoE
 from meshloom.observe.moe_metrics import gather_pipeline, layer_metrics, metric_dict
 from meshloom.planning.run_plan import RunPlan
 
@@ -39,11 +38,7 @@ def main_loss_scale(plan: RunPlan) -> float:
 
 class MoEBalancer:
     def __init__(
-        self,
-        model_parts: list[nn.Module],
-        plan: RunPlan,
-        device: torch.device,
-        across_groups: Callable[[torch.Tensor, str], None] | None = None,
+        self, model_parts: list[nn.Module], plan: RunPlan, across_groups: Callable[[torch.Tensor, str], None] | None = None
     ):
         settings, dims = plan.config.moe, plan.dims
         self.rate = settings.bias_update_rate
@@ -52,15 +47,6 @@ class MoEBalancer:
         self.layers: list[tuple[str, MoE]] = [
             (name, module) for part in model_parts for name, module in part.named_modules() if isinstance(module, MoE)
         ]
-        compute_dtype = plan.compute_dtype
-        for name, layer in self.layers:
-            sizes = tuple(layer.experts.w1.shape[1:])
-            if settings.grouped_mm == "on" and not grouped_mm_supported(device, compute_dtype, sizes):
-                raise ConfigError(
-                    f"moe.grouped_mm = 'on', but torch._grouped_mm does not run on {device.type} in {compute_dtype} with "
-                    f"{name}'s expert sizes {list(sizes)} (CPU: fp32/bf16, CUDA: bf16 on sm90+; rows a multiple of 16 "
-                    "bytes); set moe.grouped_mm = 'auto' or 'off'"
-                )
         scale = main_loss_scale(plan)
         self.forwards_per_step = round(1 / scale)
         for _, layer in self.layers:

@@ -11,7 +11,7 @@ maximum comes from:
 - context parallel: a rank holds one shard of every sequence; its attention scores its own queries against the whole
   sequence's keys (gathered over cp, no gradient), so each rank has the maxima of its queries and a MAX over
   ``dp_cp`` completes them, as for data parallel;
-- pipeline parallel: stages hold different layers, so nothing is reduced; the clipped-head count is summed over pp;
+- pipeline parallel: stages hold different layers, so nothing is reduced; the clipped heads are gathered over pp;
 - replica groups (``fault_tolerance``): each group saw other sequences, so the maxima are MAX-reduced over the groups
   of the step's quorum too (the trainer's ``reduce_over_quorum``), as HSDP does over dp_replicate. The trainer asks for
   the maxima (:meth:`QKClip.reduce_maxima`) before the groups commit the step, so every group clips alike.
@@ -42,6 +42,13 @@ def _first_row(param: Tensor) -> int:
 
 NEAR_TAU = 1e-5
 
+# (layer name, query head): one attention head of the whole model.
+Head = tuple[str, int]
+
+
+def _heads(layer: str, flags: Tensor) -> list[Head]:
+    return [(layer, head) for head in flags.nonzero().flatten().tolist()]
+
 
 class QKClip:
     """Tracks and clips the attention heads of this rank's model parts; inert when the threshold is 0."""
@@ -59,9 +66,11 @@ class QKClip:
         self._maxima: Tensor | None = None
         self.enabled = tau > 0
         self.clipped_heads = 0  # at the latest update, over the whole model
+        self.clipped: list[Head] = []  # which heads those were, sorted
         # Heads whose largest logit lay within float rounding (NEAR_TAU, relative) of tau at the latest update: a
         # layout that sums in another order may clip them or not, so parity checks allow them either way.
         self.near_tau_heads = 0
+        self.near_tau: list[Head] = []
         self.total_clipped_heads = 0  # since this process started
         for target in targets:
             target.attention.track_max_logits = self.enabled
@@ -98,25 +107,28 @@ class QKClip:
         if not self.enabled:
             return 0
         maxima = self._maxima if self._maxima is not None else self._global_maxima()
-        clipped = torch.zeros((), dtype=torch.int64, device=maxima.device)
-        near = torch.zeros((), dtype=torch.int64, device=maxima.device)
+        clipped: list[Head] = []
+        near: list[Head] = []
         offset = 0
         for target in self.targets:
             heads = maxima[offset : offset + target.n_heads]
             offset += target.n_heads
-            clipped += (heads > self.tau).sum()
-            near += ((heads - self.tau).abs() <= NEAR_TAU * self.tau).sum()
-            if not bool((heads > self.tau).any()):
+            over = heads > self.tau
+            clipped += _heads(target.name, over)
+            near += _heads(target.name, (heads - self.tau).abs() <= NEAR_TAU * self.tau)
+            if not bool(over.any()):
                 continue
             for param, factors in target.row_factors(heads, self.tau):
                 scale_rows_(local_tensor(param), _first_row(param), factors)
         if self.dims is not None and self.dims.pp > 1:
-            counts = torch.stack([clipped, near])
-            dist.all_reduce(counts, group=self.dims.mesh("pp").get_group())
-            clipped, near = counts
+            stages: list = [None] * self.dims.pp
+            dist.all_gather_object(stages, (clipped, near), group=self.dims.mesh("pp").get_group())
+            clipped = [head for stage_clipped, _ in stages for head in stage_clipped]
+            near = [head for _, stage_near in stages for head in stage_near]
         self.discard()
-        self.near_tau_heads = int(near)
-        self.clipped_heads = int(clipped)
+        self.clipped, self.near_tau = sorted(clipped), sorted(near)
+        self.near_tau_heads = len(near)
+        self.clipped_heads = len(clipped)
         self.total_clipped_heads += self.clipped_heads
         return self.clipped_heads
 

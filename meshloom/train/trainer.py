@@ -16,6 +16,7 @@ from meshloom.checkpoint.state import TrainingParts, TrainProgress
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config
+from meshloom.data.tokenizer import check_builtin_vocab_fits
 from meshloom.inference.training_samples import build_prompt_sampler, check_sampling_config
 from meshloom.observe import flight_recorder
 from meshloom.observe.logging import MetricLogger
@@ -76,6 +77,7 @@ class Trainer:
         self.plan = RunPlan.build(config, world_size_from_env(), self.device)
         self.model_args, self.dims, self.grad_accum_steps = self.plan.model_args, self.plan.dims, self.plan.grad_accum_steps
         check_data_config(config.data)
+        check_builtin_vocab_fits(config.data, self.model_args.vocab_size)
         self.sample_prompts = check_sampling_config(config)  # validation.prompts
         resume_after_restart(config, checkpoint_root(config, self.run_dir))
         check_run_folder(config, self.run_dir, restart_attempt())
@@ -86,7 +88,7 @@ class Trainer:
         seed_everything(config.training.seed, config.training.deterministic)
         self.data = self._build_data()
         self._build_model()
-        self.moe = MoEBalancer(self.model_parts, self.plan, self.device, self.replicas.reduce_over_quorum)
+        self.moe = MoEBalancer(self.model_parts, self.plan, self.replicas.reduce_over_quorum)
         self.optimizers = [build_optimizer(part, config.optimizer, self.device, self.plan.spec.adamw_only) for part in self.model_parts]
         # One optimizer per pipeline stage, so a checkpoint pairs each stage with its own optimizer state.
         self.optimizer = self.optimizers[0] if self.pipeline is None else OptimizerGroup(self.optimizers)
@@ -150,11 +152,8 @@ class Trainer:
             raise ConfigError(message)
         else:
             data = build()
-        if data.tokenizer.vocab_size > self.model_args.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {data.tokenizer.vocab_size} tokens but the {self.config.model.flavor} model's "
-                f"vocab_size is {self.model_args.vocab_size}; lower data.vocab_size or pick a larger model.flavor"
-            )
+        # Checked before the process group: the built-in BPE's size against data.vocab_size, a file's by RunPlan.build.
+        assert data.tokenizer.vocab_size <= self.model_args.vocab_size, (data.tokenizer.vocab_size, self.model_args.vocab_size)
         return data
 
     def _build_model(self) -> None:

@@ -84,13 +84,18 @@ class MoEArgs:
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = ()) -> bool:
     """Whether torch._grouped_mm runs here: CPU in fp32/bf16, CUDA in bf16 on sm90 or newer, and rows of every
     matrix size in `sizes` a multiple of 16 bytes long (its stride requirement)."""
+    if not grouped_mm_device_type_supported(device.type, dtype, sizes):
+        return False
+    return device.type != "cuda" or _cuda_capability(device.index) >= (9, 0)
+
+
+def grouped_mm_device_type_supported(device_type: str, dtype: torch.dtype, sizes: tuple[int, ...] = ()) -> bool:
+    """`grouped_mm_supported` for a kind of device, whatever GPU model it turns out to be (planning a run elsewhere)."""
     if any(size * dtype.itemsize % 16 for size in sizes):
         return False
-    if device.type == "cpu":
+    if device_type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
-    if device.type == "cuda":
-        return dtype == torch.bfloat16 and _cuda_capability(device.index) >= (9, 0)
-    return False
+    return device_type == "cuda" and dtype == torch.bfloat16
 
 
 @torch.compiler.assume_constant_result

@@ -92,14 +92,19 @@ def mla_clip_target(name: str, attention: nn.Module) -> MLAClipTarget:
 
 @torch.no_grad()
 def head_max_logits(
-    q: Tensor, k: Tensor, document_ids: Tensor | None = None, positions: tuple[Tensor, Tensor] | None = None
+    q: Tensor,
+    k: Tensor,
+    document_ids: Tensor | None = None,
+    positions: tuple[Tensor, Tensor] | None = None,
+    key_document_ids: Tensor | None = None,
 ) -> Tensor:
     """Per query head, the largest logit the softmax sees: q [b, hq, sq, d], k [b, hkv, sk, d] (hq a multiple of hkv,
     query head i reads kv head i // (hq / hkv)) -> float32 [hq]. Scores are formed one kv head's group at a time, so at
     most [b, hq / hkv, sq, sk] of them exist at once; the scale is SDPA's default, 1 / sqrt(d). Without `positions`
     q and k are the same whole sequences (causal: key j <= query i, and inside one document under `document_ids`);
     with ``positions = (q_positions [sq], k_positions [sk])`` a query sees the keys at or before its position (a
-    context-parallel shard of queries against the whole sequence's keys)."""
+    context-parallel shard of queries against the whole sequence's keys), and `document_ids` [b, sq] are the
+    queries' documents, `key_document_ids` [b, sk] the keys'."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     n_rep = hq // hkv
@@ -109,7 +114,8 @@ def head_max_logits(
     else:
         allowed = positions[1][None, :] <= positions[0][:, None]
     if document_ids is not None:
-        allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])  # [b, s, s]
+        key_documents = document_ids if key_document_ids is None else key_document_ids
+        allowed = allowed & (document_ids[:, :, None] == key_documents[:, None, :])  # [b, sq, sk]
     allowed = allowed.expand(b, sq, sk)[:, None]
     maxima = []
     for g in range(hkv):
@@ -122,15 +128,15 @@ def head_max_logits(
 def track(attention: nn.Module, q: Tensor, k: Tensor, document_ids: Tensor | None) -> None:
     """Fold this forward's per-head maxima into ``attention.max_logits`` (the step's running maximum). Activation
     checkpointing recomputes the same values, which leaves a maximum unchanged. An attention core that holds only a
-    shard of the sequence (context parallel's ring) offers ``whole_sequence_keys(k) -> (keys, q_positions,
-    k_positions)``: this rank's queries are then scored against every key of the sequence that they see."""
+    shard of the sequence (context parallel's ring) offers ``whole_sequence_keys(k, document_ids) -> (keys,
+    q_positions, k_positions, key_document_ids)``: this rank's queries are then scored against every key of the
+    sequence that they see, inside their own document under a document mask."""
     whole = getattr(attention.core, "whole_sequence_keys", None)
     if whole is None:
         current = head_max_logits(q, k, document_ids)
     else:
-        keys, q_positions, k_positions = whole(k)
-        # The ring refuses document masks itself, right after this.
-        current = head_max_logits(q, keys, None, (q_positions, k_positions))
+        keys, q_positions, k_positions, key_documents = whole(k, document_ids)
+        current = head_max_logits(q, keys, document_ids, (q_positions, k_positions), key_documents)
     previous = attention.max_logits
     attention.max_logits = current if previous is None else torch.maximum(previous, current)
 
