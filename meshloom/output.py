@@ -105,9 +105,15 @@ def _check_inputs(out: Path, inputs: Inputs, skips_itself: bool = False) -> None
     target = out.resolve()
     for what, path in inputs:
         source = Path(path).resolve()
-        within = Path(path).is_dir() and _inside(target, source) and not skips_itself
-        if target == source or within or (out.is_dir() and _inside(source, target)):
-            raise UserError(f"{out} is {what} (or inside it); writing the output there would destroy it, so give another location")
+        if target == source:
+            relation = "is"
+        elif Path(path).is_dir() and _inside(target, source) and not skips_itself:
+            relation = "lies inside"
+        elif out.is_dir() and _inside(source, target):
+            relation = "holds"
+        else:
+            continue
+        raise UserError(f"{out} {relation} {what}; writing the output there would destroy it, so give another location")
 
 
 def _is_run_folder(path: Path) -> bool:
