@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_checks import one_line_error
 from meshloom.checkpoint import folders
 from meshloom.checkpoint.reading import verify
 from meshloom.cli import main as cli
@@ -42,14 +43,6 @@ def run_dir(tmp_path_factory) -> Path:
     args = [*tiny(root / "cache"), "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(root / "run")]
     assert cli(["train", *args]) == 0
     return root / "run"
-
-
-def one_line_error(code: int, err: str, fragment: str) -> None:
-    """Exit code 2 and exactly one line on stderr: the error, naming the setting and the fix."""
-    assert code == 2, err[-2000:]
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("meshloom: error: "), err[-2000:]
-    assert fragment in lines[0], err[-2000:]
 
 
 def snapshot(*paths: Path) -> dict[Path, bytes]:
