@@ -73,10 +73,13 @@ def test_one_process_exports_samples_and_never_overwrites(root: Path, capsys) ->
     foreign = root / "run" / "hf" / "step-2"
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("mine")
+    # Refused at start-up, before any training, as a foreign checkpoint step folder is; the folder stays as it was.
+    with pytest.raises(ConfigError, match=r"hf/step-2 already exists and was not made by an export, which this run would write at step 2"):
+        Trainer(load_config(run_args(root, "run", 4, 2)))
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"] and not (root / "run" / "metrics.jsonl").exists()
+    foreign.rename(root / "notes-moved-aside")
     trainer = Trainer(load_config(run_args(root, "run", 4, 2)))
-    with pytest.warns(UserWarning, match=r"hf/step-2 exists and was not written by an export"):
-        trainer.train()
-    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    trainer.train()
     export = root / "run" / "hf" / "step-4"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "meshloom_export.json"} <= {p.name for p in export.iterdir()}
     assert not list((root / "run" / "hf").glob(".step-*"))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_checks import one_line_error
 from meshloom.config.loader import load_config
 from meshloom.config.schema import ParallelismConfig
 from meshloom.launch.k8s import validate
@@ -38,9 +39,7 @@ def _free_port() -> int:
 
 
 def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith("meshloom: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
+    return one_line_error(2, capsys.readouterr().err, "")
 
 
 def _srun_words(script: str) -> list[str]:

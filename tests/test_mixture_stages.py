@@ -12,6 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from cli_checks import one_line_error
 from meshloom.config.loader import load_config
 from meshloom.config.schema import DataConfig
 from meshloom.data.schedule import Stage, StagedSchedule
@@ -237,10 +238,10 @@ def test_stages_read_the_same_from_toml_yaml_and_the_command_line(folders, tmp_p
     bad.write_text(toml.read_text().replace("code = 1}", "code = 0}"))
     run = subprocess.run([sys.executable, "-m", "meshloom", "train", "--config", str(bad), "--dry-run", "--world-size", "2"],
                          capture_output=True, text=True)  # fmt: skip
-    assert run.returncode != 0 and "Traceback" not in run.stderr
-    assert run.stderr.strip().splitlines() == [
+    one_line_error(run.returncode, run.stderr, "")
+    assert run.stderr.strip() == (
         "meshloom: error: data.stages[0].weights.code must be a positive number, got 0; leave a source out of a stage to draw nothing from it"
-    ]
+    )
 
 
 def test_schedule_lookup_is_constant_time_in_the_position():

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from cli_checks import one_line_error
 from meshloom.observe import metrics as M
 from meshloom.observe.logging import MetricLogger, format_metrics_line
 from meshloom.cli import report
@@ -411,12 +412,9 @@ def test_report_main(tmp_path, capsys):
     assert report.main([str(run), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG_MAGIC
     assert str(out) in capsys.readouterr().out
-    assert report.main([str(tmp_path / "missing")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "missing' does not exist" in err
-    assert report.main([str(run), "--out", str(out / "sub" / "o.png")]) == 2  # a file where a folder must go
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot write" in err
+    one_line_error(report.main([str(tmp_path / "missing")]), capsys.readouterr().err, "missing' does not exist")
+    # A file where a folder must go.
+    one_line_error(report.main([str(run), "--out", str(out / "sub" / "o.png")]), capsys.readouterr().err, "cannot write")
 
 
 def test_cli_commands_say_a_missing_path_does_not_exist(tmp_path, subprocess_env):
@@ -424,8 +422,8 @@ def test_cli_commands_say_a_missing_path_does_not_exist(tmp_path, subprocess_env
         proc = subprocess.run(
             [sys.executable, "-m", "meshloom", command, str(tmp_path / "nope")], capture_output=True, text=True, env=subprocess_env
         )
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.count("\n") == 1 and "nope" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
+        one_line_error(proc.returncode, proc.stderr, "nope")
+        assert "does not exist" in proc.stderr, proc.stderr
 
 
 def test_report_shows_resumes_and_restarts(tmp_path, capsys):

@@ -98,6 +98,6 @@ def test_command_refuses_a_folder_or_plot_it_did_not_make(tmp_path) -> None:
         main(["--layout", "dp_shard=2", "--workdir", str(mine)])
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
     (tmp_path / "curves.png").write_bytes(b"png")
-    with pytest.raises(UserError, match=r"--plot .*curves.png exists"):
+    with pytest.raises(UserError, match=r"curves.png already exists; pass --overwrite to replace it"):
         main(["--layout", "dp_shard=2", "--workdir", str(tmp_path / "new"), "--plot", str(tmp_path / "curves.png")])
     assert not (tmp_path / "new").exists() and (tmp_path / "curves.png").read_bytes() == b"png"

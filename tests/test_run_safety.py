@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_checks import one_line_error
 from meshloom.checkpoint import folders
 from meshloom.checkpoint.interrupts import interrupts_deferred
 from meshloom.config.loader import ConfigError
@@ -54,8 +55,7 @@ def test_convert_into_a_non_empty_folder_needs_overwrite_and_keeps_other_files(s
     (out / "config.json").write_text('{"mine": true}')
     (out / "model.safetensors").write_bytes(b"stale weights")
     (out / "README.md").write_text("my notes")
-    assert convert_main([str(step10), str(out)]) == 2
-    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    one_line_error(convert_main([str(step10), str(out)]), capsys.readouterr().err, "is not empty; pass --overwrite")
     assert (out / "config.json").read_text() == '{"mine": true}'  # untouched
 
     assert convert_main([str(step10), str(out), "--overwrite", "--max-shard-size", "20KB"]) == 0
@@ -87,22 +87,17 @@ def test_convert_and_export_bad_targets_are_one_line_errors(straight, tmp_path: 
     step10 = str(run_dir / "checkpoint" / "step-10")
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
-    assert convert_main([step10, str(a_file)]) == 2
-    assert "is a file; give a folder" in capsys.readouterr().err
-    assert convert_main([step10, "/proc/meshloom-cannot-write-here"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("meshloom: error:") and err.count("\n") == 1 and "Traceback" not in err
-    assert convert_main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    one_line_error(convert_main([step10, str(a_file)]), capsys.readouterr().err, "is a file; give a folder")
+    one_line_error(convert_main([step10, "/proc/meshloom-cannot-write-here"]), capsys.readouterr().err, "cannot write /proc/")
+    one_line_error(convert_main([str(tmp_path / "missing"), str(tmp_path / "out")]), capsys.readouterr().err, "does not exist")
 
     out = tmp_path / "weights.safetensors"
     out.write_bytes(b"user data")
-    assert export_main([step10, str(out)]) == 2
-    assert "already exists; pass --overwrite" in capsys.readouterr().err and out.read_bytes() == b"user data"
+    one_line_error(export_main([step10, str(out)]), capsys.readouterr().err, "already exists; pass --overwrite")
+    assert out.read_bytes() == b"user data"
     assert export_main([step10, str(out), "--overwrite"]) == 0
     assert out.stat().st_size > 1000 and stat.S_IMODE(out.stat().st_mode) == 0o644 & ~_umask()
-    assert export_main([step10, str(tmp_path)]) == 2
-    assert "is a folder" in capsys.readouterr().err
+    one_line_error(export_main([step10, str(tmp_path)]), capsys.readouterr().err, "is a folder")
 
 
 # --------------------------------------------------------------------------- pruning, reruns, markers, resume
@@ -233,8 +228,8 @@ def test_only_user_mistakes_are_one_line_errors(monkeypatch: pytest.MonkeyPatch,
         return Failing
 
     monkeypatch.setattr(trainer_module, "Trainer", failing(UserError("data.path: no files match; check data.glob")))
-    assert main(["--model.flavor", "tiny"]) == 2
-    assert capsys.readouterr().err.strip() == "meshloom: error: data.path: no files match; check data.glob"
+    line = one_line_error(main(["--model.flavor", "tiny"]), capsys.readouterr().err, "")
+    assert line == "meshloom: error: data.path: no files match; check data.glob"
 
     monkeypatch.setattr(trainer_module, "Trainer", failing(ValueError("an internal invariant broke")))
     with pytest.raises(ValueError, match="an internal invariant broke"):

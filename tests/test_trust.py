@@ -3,17 +3,22 @@ setting silently. Every command runs in this process through `meshloom.cli.main`
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_checks import one_line_error
 from meshloom.checkpoint import folders
 from meshloom.checkpoint.reading import verify
 from meshloom.cli import main as cli
@@ -38,12 +43,6 @@ def run_dir(tmp_path_factory) -> Path:
     args = [*tiny(root / "cache"), "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(root / "run")]
     assert cli(["train", *args]) == 0
     return root / "run"
-
-
-def one_line_error(code: int, err: str, fragment: str) -> None:
-    assert code == 2, err[-2000:]
-    assert "meshloom: error:" in err and "Traceback" not in err, err[-2000:]
-    assert fragment in err, err[-2000:]
 
 
 def snapshot(*paths: Path) -> dict[Path, bytes]:
@@ -154,14 +153,15 @@ def test_failed_prepare_leaves_no_folder_behind(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "no text field"}\n')
     out = tmp_path / "new" / "shards"
-    code = cli(["prepare", str(bad), "--output", str(out), "--data.tokenizer", str(tokenizer_json(tmp_path))])
-    one_line_error(code, capsys.readouterr().err, "prepare:")
+    # Without the progress bar, which is the work's output, not the error's.
+    code = cli(["prepare", str(bad), "--output", str(out), "--no-progress", "--data.tokenizer", str(tokenizer_json(tmp_path))])
+    one_line_error(code, capsys.readouterr().err, "bad.jsonl line 1: no text field 'text' (data.text_field)")
     assert not (tmp_path / "new").exists()
     # A folder the user made stays, as it was.
     mine = tmp_path / "mine"
     mine.mkdir()
-    code = cli(["prepare", str(bad), "--output", str(mine), "--data.tokenizer", str(tokenizer_json(tmp_path))])
-    one_line_error(code, capsys.readouterr().err, "prepare:")
+    code = cli(["prepare", str(bad), "--output", str(mine), "--no-progress", "--data.tokenizer", str(tokenizer_json(tmp_path))])
+    one_line_error(code, capsys.readouterr().err, "bad.jsonl line 1: no text field 'text' (data.text_field)")
     assert mine.is_dir()
 
 
@@ -292,3 +292,227 @@ def test_shipped_qwen3_moe_recipe_exports_to_hugging_face() -> None:
     biased = {"layers.0.moe.expert_bias": torch.ones(args.moe.n_experts)}
     with pytest.raises(ValueError, match=r"train models to export with --moe.bias_update_rate 0"):
         spec.hf.check_exportable(biased, args)
+
+
+# --------------------------------------------------------------------------- round 4: one output rule everywhere
+
+
+def files_under(*roots: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for root in roots for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_no_output_replaces_an_input_or_what_a_run_owns(run_dir: Path, tmp_path: Path, capsys) -> None:
+    """`--overwrite` or not: an output that is the command's input, or a file or folder a training run made, is refused."""
+    data, recipe = tmp_path / "f.jsonl", tmp_path / "recipe.toml"
+    data.write_text('{"text": "held-out text"}\n')
+    recipe.write_text("[training]\nsteps = 2\n")
+    hf = tmp_path / "hf"
+    assert cli(["convert", str(run_dir), str(hf)]) == 0
+    capsys.readouterr()
+    before = files_under(run_dir, hf, tmp_path / "f.jsonl", recipe)
+    ckpt = run_dir / "checkpoint"
+    cases = [
+        (["eval", str(run_dir), "--data", str(data), "--output", str(data), "--overwrite"], f"{data} is the --data input"),
+        (["launch", "slurm", "--config", str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--output", str(recipe), "--overwrite"],
+         f"{recipe} is the --config recipe"),
+        (["tokenizer", "--config", str(recipe), "--output", str(recipe), "--overwrite"], f"{recipe} is the --config recipe"),
+        (["report", str(run_dir), "--out", str(run_dir / "metrics.jsonl"), "--overwrite"], "is the metrics of"),
+        (["report", str(run_dir), "--out", str(run_dir / "config.json"), "--overwrite"], "a file of the run in"),
+        (["convert", str(hf), str(ckpt / "step-2"), "--overwrite"], "lies inside a training run's checkpoint"),
+        (["convert", str(hf), str(ckpt / "step-3")], f"lies inside {ckpt}, which holds a training run's saves"),
+        (["convert", str(ckpt), str(ckpt), "--overwrite"], f"{ckpt} holds the source SRC"),
+        (["convert", str(hf), str(run_dir), "--overwrite"], f"lies inside the run folder {run_dir}"),
+        (["export", str(run_dir), str(ckpt / "step-2" / "w.safetensors")], "lies inside the source SRC"),
+        (["generate", str(run_dir), "--prompt", "x", "--output", str(run_dir / "metrics.jsonl"), "--overwrite"], "a file of the run"),
+        (["prepare", str(data), "--output", str(ckpt / "shards")], f"prepare: --output {ckpt / 'shards'} is or lies inside"),
+        (["prepare", str(data), "--output", str(data)], "is a file; give a folder"),
+    ]  # fmt: skip
+    for argv, fragment in cases:
+        one_line_error(cli(argv), capsys.readouterr().err, fragment)
+    assert files_under(run_dir, hf, tmp_path / "f.jsonl", recipe) == before
+    # A file of the user's own next to the run's is still theirs to write.
+    assert cli(["report", str(run_dir), "--out", str(run_dir / "mine" / "loss.png")]) == 0 and (run_dir / "mine" / "loss.png").is_file()
+    shutil.rmtree(run_dir / "mine")
+
+
+def test_parity_plot_goes_through_the_output_rule(tmp_path: Path, capsys) -> None:
+    """Refused before any training: an existing plot without --overwrite, an unwritable path, a folder."""
+    plot = tmp_path / "parity.png"
+    plot.write_bytes(b"my plot")
+    base = ["parity", "--layout", "dp_shard=2", "--steps", "1", "--workdir", str(tmp_path / "work")]
+    one_line_error(cli([*base, "--plot", str(plot)]), capsys.readouterr().err, f"{plot} already exists; pass --overwrite")
+    one_line_error(cli([*base, "--plot", "/proc/parity.png"]), capsys.readouterr().err, "cannot write /proc/parity.png")
+    one_line_error(cli([*base, "--plot", str(tmp_path)]), capsys.readouterr().err, "is a folder; give a file name")
+    assert plot.read_bytes() == b"my plot" and not (tmp_path / "work").exists()
+
+
+def test_prepare_checks_its_output_before_the_tokenizer(tmp_path: Path, monkeypatch, capsys) -> None:
+    import meshloom.data.build as build
+
+    monkeypatch.setattr(build, "run_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was built before the output was checked"))
+    text = tmp_path / "in.txt"
+    text.write_text("hello\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    code = cli(["prepare", str(text), "--output", str(mine)])
+    one_line_error(code, capsys.readouterr().err, f"prepare: --output {mine} is not empty and holds no prepare_state.json")
+    one_line_error(cli(["prepare", str(text), "--output", "/proc/shards"]), capsys.readouterr().err, "cannot write /proc/shards")
+    assert (mine / "notes.txt").read_text() == "keep"
+
+
+def test_seed_checkpoint_checks_its_folder_before_building_the_model(tmp_path: Path, data_cache: Path, monkeypatch, capsys) -> None:
+    import meshloom.cli.checkpoint_commands as commands
+
+    monkeypatch.setattr(commands, "build_model", lambda *a, **k: pytest.fail("the model was built before the output was checked"))
+    step0 = tmp_path / "run" / "checkpoint" / "step-0"
+    step0.mkdir(parents=True)
+    (step0 / "notes.txt").write_text("someone else's")
+    code = cli(["seed-checkpoint", *tiny(data_cache), "--job.dump_folder", str(tmp_path / "run")])
+    one_line_error(code, capsys.readouterr().err, f"{step0} is not empty; pass --overwrite")
+    assert (step0 / "notes.txt").read_text() == "someone else's"
+
+
+def test_foreign_hf_export_folder_is_refused_at_start_up(tmp_path: Path, data_cache: Path, capsys) -> None:
+    run = tmp_path / "run"
+    foreign = run / "hf" / "step-2"
+    foreign.mkdir(parents=True)
+    (foreign / "config.json").write_text('{"mine": true}')
+    code = cli(["train", *tiny(data_cache), "--checkpoint.hf_export_interval", "2", "--job.dump_folder", str(run)])
+    one_line_error(code, capsys.readouterr().err, f"{foreign} already exists and was not made by an export, which this run would write at step 2")
+    assert (foreign / "config.json").read_text() == '{"mine": true}'
+    assert not (run / "metrics.jsonl").exists()  # refused before the first step, not at the export
+
+
+def test_a_run_config_record_is_never_replaced(tmp_path: Path) -> None:
+    from meshloom.train.run_folder import write_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    first = load_config(["--training.steps", "10", "--job.dump_folder", str(run)])
+    assert write_run_config(first, run, 0) == run / "config.json"
+    again = load_config(["--training.steps", "20", "--job.dump_folder", str(run)])
+    assert write_run_config(again, run, 5) == run / "config.resume-step-5.json"
+    before = files_under(run)
+    # A second resume from step 5 with other settings keeps the first one's record; a restart with the same reuses it.
+    third = load_config(["--training.steps", "30", "--job.dump_folder", str(run)])
+    assert write_run_config(third, run, 5) == run / "config.resume-step-5.2.json"
+    assert write_run_config(third, run, 5) == run / "config.resume-step-5.2.json"
+    assert {p: b for p, b in files_under(run).items() if p in before} == before
+    assert json.loads((run / "config.resume-step-5.2.json").read_text())["training"]["steps"] == 30
+
+
+def test_a_mixture_that_runs_dry_is_refused_at_start_up(tmp_path: Path) -> None:
+    from shard_fixtures import Numbered, numbered_texts, prepared
+
+    from meshloom.config.errors import ConfigError
+    from meshloom.config.schema import DataConfig
+    from meshloom.data.build import check_data_lasts
+    from meshloom.data.shards import build_shard_loaders
+    from meshloom.data.stages import build_mixture
+
+    web = prepared(tmp_path / "web", Numbered(), numbered_texts(20), shard_tokens=200)
+    config = DataConfig(dataset="shards", shards=f"{web}:1", max_epochs={"web": 1}, on_exhausted="drop")
+    loader = build_shard_loaders(config.shards, "document", 0.0, False, 16, 2, 0, 1, 0, lambda s: None, build_mixture(config, 2, 16))[0]
+    available = loader.samples_available()
+    assert available is not None and available > 2
+    check_data_lasts(loader, available // 2, 2)  # fits
+    with pytest.raises(ConfigError, match=rf"runs dry after {available} samples \(step {available // 2}\).*set training.steps to at most {available // 2}"):
+        check_data_lasts(loader, available // 2 + 1, 2)
+
+
+# --------------------------------------------------------------------------- round 4: one line
+
+
+def test_more_mistakes_are_one_line(tmp_path: Path, data_cache: Path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    empty, recipe = tmp_path / "empty.jsonl", tmp_path / "r.toml"
+    empty.write_text("")
+    recipe.write_text("[training]\nsteps = 2\n")
+    run = ["--job.dump_folder", str(tmp_path / "run")]
+    launch = ["launch", "--config", str(recipe), "--nodes", "1", "--gpus-per-node", "1"]
+    cases = [
+        (["train", *tiny(data_cache), *run, "--fault_tolerance.enable", "true"], "each replica group runs under torchrun, which sets MASTER_ADDR"),
+        (["train", *tiny(data_cache), *run, "--data.dataset", "streaming", "--data.stream", str(empty)], f"data.stream: {empty} is empty (0 bytes)"),
+        (["train", *tiny(data_cache), *run, "--data.stream", str(empty)], "has no effect with data.dataset = 'builtin'"),
+        (["plan", "--flavor", "8B", "--gpus", "8", "--global-batch", "8", "--peak-tflops", "-1"], "--peak-tflops must be positive, got -1.0"),
+        (["plan", "--flavor", "8B", "--gpus", "8", "--global-batch", "8", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be positive"),
+        ([launch[0], "slurm", *launch[1:], "--image", "reg/meshloom:1"], "--image is an option of meshloom launch k8s only; launch slurm"),
+        ([launch[0], "slurm", *launch[1:], "--runs-volume", "runs"], "--runs-volume is an option of meshloom launch k8s only"),
+        ([launch[0], "slurm", *launch[1:], "--address", "auto"], "--address is an option of meshloom launch ray only"),
+        ([launch[0], "ray", *launch[1:], "--output", str(tmp_path / "x.sbatch")], "--output is an option of meshloom launch slurm and k8s only"),
+        ([launch[0], "k8s", *launch[1:], "--image", "reg/meshloom:1", "--min-nodes", "1"], "--min-nodes: a TrainJob's node count"),
+    ]  # fmt: skip
+    for argv, fragment in cases:
+        one_line_error(cli(argv), capsys.readouterr().err, fragment)
+    assert not (tmp_path / "x.sbatch").exists()
+
+
+@pytest.mark.parametrize(("command", "target"), [("generate", "meshloom.inference.generate.generate"), ("eval", "meshloom.eval.runner.evaluate")])
+def test_ctrl_c_is_one_line(command: str, target: str, run_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    module, _, name = target.rpartition(".")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), name, interrupted)
+    out = tmp_path / "out.jsonl"
+    argv = {"generate": ["generate", str(run_dir), "--prompt", "x", "--output", str(out)],
+            "eval": ["eval", str(run_dir), "--data", "validation", "--output", str(out)]}[command]  # fmt: skip
+    assert cli(argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == f"meshloom: {command} interrupted; no output was written (outputs are moved into place only when complete)", err
+    assert not out.exists()
+
+
+def test_ctrl_c_during_prepare_is_one_line(tmp_path: Path, subprocess_env: dict[str, str]) -> None:
+    """A real SIGINT to the whole process group (as a terminal sends it), workers included, mid-way through."""
+    from shard_fixtures import tokenizer_json
+
+    text = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "def f(x):\n    return x + 1\n" * 20}) + "\n"
+    text.write_text(line * 40_000)
+    out = tmp_path / "shards"
+    argv = [sys.executable, "-m", "meshloom", "prepare", str(text), "--output", str(out), "--workers", "2", "--no-progress",
+            "--shard-tokens", "20000", "--data.tokenizer", str(tokenizer_json(tmp_path))]  # fmt: skip
+    proc = subprocess.Popen(argv, env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (out / "prepare_state.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.splitlines() == ["meshloom: prepare interrupted; the shards finished so far are kept; run the same command again to continue"], err[-2000:]
+    assert json.loads((out / "prepare_state.json").read_text())["shards"]
+
+
+def test_real_ctrl_c_during_an_async_save_finishes_it(tmp_path: Path, data_cache: Path, subprocess_env: dict[str, str]) -> None:
+    """SIGINT to a training process while its background save of step 2 is still writing: the save completes, every
+    file's checksum matches, and the run ends with one line naming it."""
+    run, flag = tmp_path / "run", tmp_path / "saving"
+    argv = ["train", *tiny(data_cache), "--training.steps", "200", "--checkpoint.enable", "true", "--checkpoint.async_mode", "async",
+            "--checkpoint.interval", "2", "--job.dump_folder", str(run)]  # fmt: skip
+    # The save of step 2 is slowed in its writer thread (a slow disk); the flag says that it is in flight.
+    script = (
+        "import sys, time\nfrom pathlib import Path\nfrom meshloom.train.fault_injection import FaultInjector\n"
+        "def slow(self, step):\n    if step == 2:\n        Path(sys.argv[1]).touch(); time.sleep(3)\n"
+        "FaultInjector.during_save = slow\nfrom meshloom.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(flag), *argv], env=subprocess_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not flag.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert not folders.list_checkpoints(run / "checkpoint")[0], "step 2 was committed before the signal"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    complete, _ = folders.list_checkpoints(run / "checkpoint")
+    assert complete and complete[0].step == 2, err[-2000:]
+    for checkpoint in complete:
+        verify(checkpoint)  # every file's checksum matches: each save is whole
+    lines = [line for line in err.splitlines() if line.startswith("meshloom: interrupted")]
+    assert len(lines) == 1 and f"latest complete checkpoint: {complete[-1].path}" in lines[0], err[-2000:]

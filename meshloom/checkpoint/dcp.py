@@ -28,6 +28,7 @@ from tqdm import tqdm
 from meshloom.checkpoint import folders
 from meshloom.checkpoint.folders import CheckpointInfo
 from meshloom.checkpoint.hf import HFFolder, load_into_model_parts
+from meshloom.checkpoint.hf_export import refuse_foreign_exports
 from meshloom.checkpoint.integrity import checkpoint_files, compute_checksums
 from meshloom.checkpoint.interrupts import interrupts_deferred
 from meshloom.checkpoint.offline import write_side_files
@@ -97,6 +98,7 @@ class Checkpointer:
         self._precheck(complete)
         if c.enable:
             self._refuse_foreign_folders(complete)
+        refuse_foreign_exports(config, run_dir, complete[-1].step if c.resume and complete else 0)
         # The run lineage whose step folders this run may replace and prune: a fresh one, or on resume the one of
         # the checkpoint it continues (set when that is loaded).
         self.lineage = uuid.uuid4().hex

@@ -26,6 +26,7 @@ MARKER_FILE = "complete.json"
 OWNER_FILE = "save.json"  # which run lineage started this save (written first)
 CONFIG_FILE = "config.json"  # the run config the checkpoint was saved with
 MODEL_ARGS_FILE = "model_args.json"  # model family and shape, so tools can rebuild it without the config
+EXPORT_MARKER = "meshloom_export.json"  # in <run>/hf/step-N/: written by the run's Hugging Face export
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 

@@ -8,7 +8,7 @@
 
 Training waits only for the gather and the host copy (as an async DCP save waits for its staging copy); the
 files are written while it goes on. A step-N folder without meshloom_export.json was not made by an export and
-is never overwritten. The host copy is a snapshot, so later optimizer steps cannot reach the files.
+is never overwritten: one the run would export into is refused at start-up (`refuse_foreign_exports`). The host copy is a snapshot, so later optimizer steps cannot reach the files.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from meshloom.checkpoint.folders import EXPORT_MARKER
 from meshloom.checkpoint.hf import DTYPES, write_hf_folder
+from meshloom.config.errors import ConfigError
+from meshloom.config.schema import Config
 from meshloom.parallel.distributed import rank
 from meshloom.planning.run_plan import RunPlan
 
-EXPORT_MARKER = "meshloom_export.json"
 HF_EXPORT_DIR = "hf"
 
 
@@ -79,6 +81,28 @@ def tokenizer_files(data_tokenizer: str, tokenizer: Any) -> tuple[dict[str, byte
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False}
         return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=1).encode()}, "tokenizer.json"
     return {source.name: source.read_bytes()}, f"tiktoken file copied as {source.name} (not a transformers tokenizer.json)"
+
+
+def export_steps(config: Config, start: int) -> list[int]:
+    """The steps after `start` that `HFExporter.maybe_export` writes."""
+    interval, last = config.checkpoint.hf_export_interval, config.training.steps
+    return [s for s in range(start + 1, last + 1) if s % interval == 0 or s == last] if interval else []
+
+
+def refuse_foreign_exports(config: Config, run_dir: Path, start: int) -> None:
+    """A <run>/hf/step-N this run would export into but no export made is refused now, before the training that
+    would reach it (as a foreign checkpoint step folder is)."""
+    steps = export_steps(config, start)
+    root = Path(run_dir) / HF_EXPORT_DIR
+    if steps and root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} is a file, but checkpoint.hf_export_interval exports into that folder; move the file or set the interval to 0")
+    for step in steps:
+        folder = root / f"step-{step}"
+        if folder.exists() and not (folder / EXPORT_MARKER).is_file():
+            raise ConfigError(
+                f"{folder} already exists and was not made by an export, which this run would write at step {step}; "
+                f"move it out of {root} (it is never overwritten) or change checkpoint.hf_export_interval"
+            )
 
 
 class HFExporter:

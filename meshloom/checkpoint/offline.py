@@ -41,7 +41,7 @@ def save_weights(
     model: nn.Module, path: Path, spec: ModelSpec, args: Any, config: Config | None = None, extra: dict[str, Any] | None = None
 ) -> Path:
     """A committed weights-only checkpoint (step 0) of a model held whole by this process, written into `path`, a
-    new or empty folder (see meshloom.checkpoint.output for writing over a user's folder)."""
+    new or empty folder (see meshloom.output for writing over a user's folder)."""
     path = Path(path)
     assert not path.exists() or not any(path.iterdir()), f"{path} must be new or empty"
     folders.claim(path, uuid.uuid4().hex, 0)

@@ -41,6 +41,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# What Ctrl-C leaves behind, by command (`train` says it itself: the latest checkpoint and how to resume).
+# Outputs are moved into place only when complete (meshloom/output.py), so a stopped command left none.
+_STAGED = "no output was written (outputs are moved into place only when complete)"
+INTERRUPTED = {
+    "prepare": "the shards finished so far are kept; run the same command again to continue",
+    **{name: _STAGED for name in ("tokenizer", "report", "plan", "seed-checkpoint", "convert", "export", "generate", "eval")},
+}
+
+
 def usage() -> str:
     lines = ["usage: meshloom <command> [args]", "", "commands:"]
     lines += [f"  {name:<16} {doc}" for name, (_, doc) in COMMANDS.items()]
@@ -64,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # a command that let a user's mistake through still answers in one line
         print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C is the user's choice, not a crash: one line, no traceback
+        note = INTERRUPTED.get(command)
+        print(f"meshloom: {command} interrupted" + (f"; {note}" if note else ""), file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from meshloom.checkpoint.hf import (
     write_hf_folder,
 )
 from meshloom.checkpoint.hf_export import tokenizer_files
-from meshloom.checkpoint.output import check_output_file, check_output_folder, staged_file, staged_folder
+from meshloom.output import check_output_file, check_output_folder, config_inputs, staged_file, staged_folder
 from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config
 from meshloom.inference import loading
@@ -59,11 +59,12 @@ def seed_checkpoint(argv: list[str]) -> Path:
     complete, _ = folders.list_checkpoints(root)
     if complete:
         raise UserError(f"{root} already holds checkpoints (up to step {complete[-1].step}); choose another job.dump_folder")
+    path = folders.step_dir(root, 0)
+    check_output_folder(path, False, "checkpoint", config_inputs(argv))  # before the model is built
     plan = RunPlan.build(config, world_size=1)
     torch.manual_seed(config.training.seed)
     model = build_model(plan, torch.device("cpu"), bare=True)
-    path = folders.step_dir(root, 0)
-    with staged_folder(path, kind="checkpoint") as tmp:
+    with staged_folder(path, kind="checkpoint", inputs=config_inputs(argv)) as tmp:
         save_weights(model, tmp, plan.spec, plan.model_args, config)
     return path
 
@@ -100,24 +101,26 @@ def convert_main(argv: list[str]) -> int:
         if not args.src.exists():
             return _fail(f"{args.src} does not exist; give a Hugging Face model folder, a run folder or a meshloom checkpoint")
         source = loading.resolve(args.src)
+        # The folder actually read: a step folder (of a run folder or checkpoint root) or a Hugging Face folder.
+        source_input = (("the source SRC", source.checkpoint.path if source.checkpoint is not None else source.hf.path),)
         if source.checkpoint is not None:
             info = source.checkpoint
             spec, model_args, extra = read_model_args(info)
             dtype, max_shard = parse_dtype(args.dtype), parse_size(args.max_shard_size)
             files, token_ids, note = run_tokenizer_files(info.path)
             base_config = {**(extra.get("hf_config") or {}), **token_ids}
-            check_output_folder(args.dst, args.overwrite, "hf")  # before the weights are read
+            check_output_folder(args.dst, args.overwrite, "hf", source_input)  # before the weights are read
             weights = read_model_weights(info)
-            with staged_folder(args.dst, args.overwrite, "hf") as tmp:
+            with staged_folder(args.dst, args.overwrite, "hf", source_input) as tmp:
                 write_hf_folder(weights, spec, model_args, tmp, dtype, max_shard, base_config)
                 for name, data in files.items():
                     (tmp / name).write_bytes(data)
             print(f"Hugging Face model written to {args.dst} from {info.path} ({note})")
         else:
             folder = source.hf
-            check_output_folder(args.dst, args.overwrite, "checkpoint")
+            check_output_folder(args.dst, args.overwrite, "checkpoint", source_input)
             model = from_hf(folder.path)
-            with staged_folder(args.dst, args.overwrite, "checkpoint") as tmp:
+            with staged_folder(args.dst, args.overwrite, "checkpoint", source_input) as tmp:
                 save_weights(model, tmp, folder.spec, folder.args, extra={"hf_config": folder.config})
             print(f"meshloom checkpoint written to {args.dst}; train from it with --checkpoint.initial_load_path {args.dst}")
     except UserError as err:
@@ -148,11 +151,11 @@ def export_main(argv: list[str]) -> int:
         if source.checkpoint is None:
             raise UserError(f"{args.src} is a Hugging Face folder; export reads a meshloom checkpoint or run folder")
         info = source.checkpoint
-        check_output_file(args.out, args.overwrite)  # before the weights are read
+        check_output_file(args.out, args.overwrite, (("the source SRC", info.path),))  # before the weights are read
         spec, model_args, extra = read_model_args(info)
         weights = {k: v.to(dtype).contiguous() for k, v in read_model_weights(info).items()}
         metadata = {"format": "pt", "model": spec.name, "model_args": json.dumps(extra["args"]), "step": str(info.step)}
-        with staged_file(args.out, args.overwrite) as tmp:
+        with staged_file(args.out, args.overwrite, (("the source SRC", info.path),)) as tmp:
             save_file(weights, tmp, metadata=metadata)
     except UserError as err:
         return _fail(str(err))

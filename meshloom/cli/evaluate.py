@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args, settings = parser().parse_known_args(argv)
     from meshloom.eval.runner import EvalOptions, evaluate, write_result  # noqa: PLC0415 (--help answers without torch)
-    from meshloom.checkpoint.output import check_output_file  # noqa: PLC0415
+    from meshloom.output import check_output_file  # noqa: PLC0415
     from meshloom.parallel.distributed import rank, shutdown_and_exit  # noqa: PLC0415
 
     code = 0
@@ -48,13 +48,15 @@ def main(argv: list[str]) -> int:
             raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.seq_len < 0:
             raise UserError(f"--seq-len must be >= 0 (0 = the run's training.seq_len), got {args.seq_len}")
-        check_output_file(args.output, args.overwrite)  # before the evaluation, not after it
+        inputs = tuple(("the --data input " + d, Path(d)) for d in args.data if d != "validation")
+        inputs += (("the --tokenizer file", Path(args.tokenizer)),) if args.tokenizer else ()
+        check_output_file(args.output, args.overwrite, inputs)  # before the evaluation, not after it
         options = EvalOptions(
             args.data, args.seq_len, args.batch_size, args.max_batches, args.text_field, args.tokenizer, tuple(settings), not args.no_progress
         )
         result = evaluate(args.source, options)
         if rank() == 0:
-            write_result(result, args.output, args.overwrite)
+            write_result(result, args.output, args.overwrite, inputs)
             shown = {k: result[k] for k in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")}
             print(json.dumps(shown), file=sys.stdout)
             print(f"wrote {args.output}", file=sys.stderr)

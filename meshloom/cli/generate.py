@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshloom.checkpoint.output import check_output_file, write_output_file
+from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.inference.sampling import SamplingSettings
 
@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         output = args.prompts.with_name(args.prompts.stem + "-generations.jsonl")
     if output is not None:  # before any heavy work: a bad path fails now, not after the generation
         inputs = (("the --prompts file", args.prompts),) if args.prompts is not None else ()
+        inputs += (("the --tokenizer file", Path(args.tokenizer)),) if args.tokenizer else ()
         check_output_file(output, args.overwrite, inputs)
     source = loading.resolve(args.source)
     model_args = loading.inference_plan(source, device, args.tokenizer).model_args
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                     "completion_tokens": len(tokens), "finish": "stop" if result.stopped[i] else "length",
                 }  # fmt: skip
                 lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-        write_output_file(output, "".join(lines), args.overwrite)
+        write_output_file(output, "".join(lines), args.overwrite, inputs)
         print(f"wrote {len(lines)} completions to {output}", file=sys.stderr)
     _report(results)
     return 0

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshloom.checkpoint.output import check_output_file, write_output_file
+from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.parallel.dims import DEGREE_NAMES
 
@@ -27,6 +27,15 @@ if TYPE_CHECKING:
     from meshloom.planning.run_plan import RunPlan
 
 EXTRAS = {"ray": ("ray", "ray"), "k8s": ("kubeflow_trainer_api", "k8s")}
+# Options that act under some schedulers only; given to another, they are refused rather than ignored.
+SCHEDULER_OPTIONS = {
+    "output": ("slurm", "k8s"),
+    "overwrite": ("slurm", "k8s"),
+    "image": ("k8s",),
+    "data_volume": ("k8s",),
+    "runs_volume": ("k8s",),
+    "address": ("ray",),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,7 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _refuse_foreign_options(opts: argparse.Namespace) -> None:
+    for name, schedulers in SCHEDULER_OPTIONS.items():
+        if getattr(opts, name) not in (None, False) and opts.scheduler not in schedulers:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(
+                f"{flag} is an option of meshloom launch {' and '.join(schedulers)} only; launch {opts.scheduler} would "
+                f"ignore it, so drop {flag}"
+            )
+
+
 def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
+    _refuse_foreign_options(opts)
     if opts.scheduler in EXTRAS:
         module, extra = EXTRAS[opts.scheduler]
         if importlib.util.find_spec(module) is None:
@@ -78,7 +98,8 @@ def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
     output = None
     if opts.scheduler != "ray":
         output = opts.output or Path(f"{opts.name}.{'sbatch' if opts.scheduler == 'slurm' else 'yaml'}")
-        check_output_file(output, opts.overwrite)  # before anything is checked or built
+        recipe = (("the --config recipe", Path(opts.config)),)
+        check_output_file(output, opts.overwrite, recipe)  # before anything is checked or built
 
     from meshloom.config.loader import load_config
     from meshloom.launch.cluster import ClusterShape, check_cluster
@@ -114,7 +135,7 @@ def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
         validate(manifest)
         text = f"# layout: {layouts}\n" + yaml.safe_dump(manifest, sort_keys=False)
         submit = f"kubectl apply -f {output}"
-    write_output_file(output, text, opts.overwrite)
+    write_output_file(output, text, opts.overwrite, recipe)
     print(f"meshloom launch {opts.scheduler}: {layouts}\nwrote {output}; submit with: {submit}")
     return 0
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from meshloom.config.errors import UserError
+from meshloom.output import check_output_file, staged_file
 from meshloom.testing import layout_parity
 
 
@@ -18,12 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     args = parser.parse_args(argv)
     # Both are checked before any training: a user's folder or file is never written into or replaced.
     if args.workdir is not None and args.workdir.exists() and (not args.workdir.is_dir() or any(args.workdir.iterdir())):
         raise UserError(f"parity: --workdir {args.workdir} is not an empty folder; the runs, data cache and curves go there: name a new or empty one")
-    if args.plot is not None and args.plot.exists():
-        raise UserError(f"parity: --plot {args.plot} exists; name a new file")
+    if args.plot is not None:
+        check_output_file(args.plot, args.overwrite)
     reference, comparisons = layout_parity.compare(args.layout, args.steps, args.workdir, args.common)
     print(f"{'layout':<40} {'ranks':>5} {'max |dloss|':>12} {'|dgrad_norm|':>13} {'tolerance':>10}  result")
     for c in comparisons:
@@ -32,5 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.layout.tolerance:>10.0e}  {'ok' if c.ok else 'MISMATCH'}"
         )
     if args.plot:
-        print(f"plot: {layout_parity.plot(reference, comparisons, args.plot)}")
+        with staged_file(args.plot, args.overwrite) as tmp:
+            layout_parity.plot(reference, comparisons, tmp)
+        print(f"plot: {args.plot}")
     return 0 if all(c.ok for c in comparisons) else 1

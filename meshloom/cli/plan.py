@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshloom.checkpoint.output import check_output_file, write_output_file
+from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.planning.layout import AC_MODES
 from meshloom.planning.memory_estimate import OPTIMIZERS
@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
         if not 0 < opts.mfu <= 1 or not 0 < opts.headroom <= 1:
             raise UserError("--mfu and --headroom must lie in (0, 1]")
+        for name in ("peak_tflops", "gpu_memory_gib"):
+            if not getattr(opts, name) > 0:  # also refuses nan
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
         if opts.output is not None:
             check_output_file(opts.output, opts.overwrite)  # before the search
         space = SearchSpace(

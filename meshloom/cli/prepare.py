@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config, split_config_args
-from meshloom.data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, prepare
+from meshloom.data.prepare import DEFAULT_SHARD_TOKENS, PrepareOptions, check_output, prepare
 from meshloom.data.shard_format import TOKEN_DTYPES
 
 
@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from meshloom.data.build import run_tokenizer
 
-        data = load_config(config_args).data
-        tokenizer = run_tokenizer(data)
         options = PrepareOptions(
             args.inputs, args.output, args.shard_tokens, args.dtype, args.workers, args.split, args.stop_after, args.verify, not args.no_progress
         )
-        prepare(options, data, tokenizer)
+        check_output(options)  # before the tokenizer, which may have to be trained first
+        data = load_config(config_args).data
+        prepare(options, data, run_tokenizer(data))
     except UserError as err:
         print(f"meshloom: error: {err}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from meshloom.checkpoint.output import check_output_file, staged_file
+from meshloom.output import check_output_file, staged_file
 from meshloom.config.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -53,7 +53,7 @@ def load_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]
 
 def _records(path: Path) -> Iterator[tuple[int, dict]]:
     """(line number, row) of every non-empty line of a metrics.jsonl."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a damaged line fails as JSON, with its number
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -127,7 +127,8 @@ def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False
     if out is None:
         out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
     out = Path(out)
-    check_output_file(out, overwrite)
+    inputs = tuple(("the metrics of " + str(run_dir), Path(run_dir) / METRICS_FILE) for run_dir in run_dirs)
+    check_output_file(out, overwrite, inputs)
 
     # A run that mixes shard sources gets a second panel: each source's share of the samples over the steps.
     with_mixture = any(mixtures)
@@ -160,7 +161,7 @@ def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False
         mix_ax.grid(True, alpha=0.3)
         mix_ax.legend()
     fig.tight_layout()
-    with staged_file(out, overwrite) as tmp:
+    with staged_file(out, overwrite, inputs) as tmp:
         fig.savefig(tmp, format="png")
     return out
 

@@ -13,15 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshloom.checkpoint.output import check_output_file
+from meshloom.output import Inputs, check_output_file, config_inputs, write_output_file
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.loader import load_config, split_config_args
 from meshloom.config.schema import DataConfig
 from meshloom.data.build import run_tokenizer
-from meshloom.data.tokenizer import HFTokenizer, atomic_write_bytes
+from meshloom.data.tokenizer import HFTokenizer
 
 
-def save_tokenizer(data_config: DataConfig, output: Path, overwrite: bool = False) -> Path:
+def save_tokenizer(data_config: DataConfig, output: Path, overwrite: bool = False, inputs: Inputs = ()) -> Path:
     """Write the run's built-in tokenizer to `output` (a file, or a folder that gets tokenizer.json); return the file."""
     if data_config.tokenizer != "builtin":
         raise ConfigError(
@@ -31,14 +31,11 @@ def save_tokenizer(data_config: DataConfig, output: Path, overwrite: bool = Fals
     output = Path(output)
     if output.is_dir():
         output = output / "tokenizer.json"
-    check_output_file(output, overwrite)
-    if not output.parent.is_dir():
-        raise ConfigError(f"folder {output.parent} does not exist; create it or choose another --output")
+    inputs = (*inputs, ("data.path", Path(data_config.path))) if data_config.path else inputs
+    check_output_file(output, overwrite, inputs)  # before the tokenizer is trained
     tokenizer = run_tokenizer(data_config)
     assert isinstance(tokenizer, HFTokenizer), "the built-in tokenizer is a tokenizers BPE"
-    atomic_write_bytes(output, tokenizer.to_json().encode("utf-8"))
-    output.chmod(0o644)
-    return output
+    return write_output_file(output, tokenizer.to_json(), overwrite, inputs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     own, config_args = split_config_args(argv)
     args = parser.parse_args(own)
     try:
-        path = save_tokenizer(load_config(config_args).data, args.output, args.overwrite)
+        path = save_tokenizer(load_config(config_args).data, args.output, args.overwrite, config_inputs(config_args))
     except UserError as err:
         print(f"meshloom: error: {err}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from meshloom.config.errors import ConfigError
 from meshloom.config.schema import DataConfig
 from meshloom.data.builtin_corpus import Document, read_corpus, split_documents
 from meshloom.data.loader import Batch, PackedDataset, StatefulLoader, tokenize_corpus
+from meshloom.data.mixed_loader import ShardLoader
 from meshloom.data.shard_format import ShardSet
 from meshloom.data.shards import build_shard_loaders, check_shard_folders
 from meshloom.data.stages import build_mixture
@@ -67,12 +68,31 @@ def check_data_config(config: DataConfig) -> None:
         )
     if config.path and not Path(config.path).is_dir():
         raise ConfigError(f"data.path: folder {config.path} not found; give a folder of text files, or leave it empty for the built-in corpus")
+    if config.stream and config.dataset != "streaming":
+        raise ConfigError(
+            f'data.stream = {config.stream!r} has no effect with data.dataset = {config.dataset!r}; set '
+            'data.dataset = "streaming" to train on it, or drop data.stream'
+        )
     if config.dataset == "shards":
         check_shard_folders(config.shards)
     if config.dataset == "streaming":
         if not config.stream:
             raise ConfigError('data.stream is empty; with data.dataset = "streaming" give files, a folder, a glob or hf:NAME')
         stream_files(config.stream)
+
+
+def check_data_lasts(loader: object, steps: int, samples_per_step: int) -> None:
+    """A mixture that runs dry before training.steps is refused at start-up, since the sample count is known then:
+    stopping at the first missing sample would lose every step trained since the last checkpoint."""
+    available = loader.samples_available() if isinstance(loader, ShardLoader) else None
+    needed = steps * samples_per_step
+    if available is not None and available < needed:
+        full = available // samples_per_step
+        raise ConfigError(
+            f"data: the mixture runs dry after {available} samples (step {full}): every source left reaches "
+            f"data.max_epochs with data.on_exhausted = \"drop\", but training.steps = {steps} needs {needed}; set "
+            f"training.steps to at most {full}, raise data.max_epochs or set data.on_exhausted = \"repeat\""
+        )
 
 
 def state_reshards(config: DataConfig) -> bool:

@@ -7,6 +7,7 @@ module and the tokenizer they are handed.
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 
@@ -40,6 +41,9 @@ _worker: tuple[Tokenizer, np.dtype] | None = None
 def init_worker(tokenizer: Tokenizer, dtype: np.dtype) -> None:
     """Process-pool initializer: keep the tokenizer for every task of this process."""
     global _worker
+    # Ctrl-C reaches every process of the terminal's group: the parent alone answers it (one line), and the pool
+    # shuts down with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One process per core already: library threads would only compete for the same cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker = (tokenizer, dtype)

@@ -49,6 +49,12 @@ class ShardLoader(GlobalOrderLoader):
         self.schedule = StagedSchedule(stages or m.stages, self.seed, limits, m.drop, self.offsets)
         self._reported = self.consumed
 
+    def samples_available(self) -> int | None:
+        """The first position no source may serve (data.max_epochs with data.on_exhausted = "drop"); None while the
+        schedule never runs dry."""
+        last = self.schedule.pieces[-1]
+        return last.start if last.dead else None
+
     @property
     def num_samples(self) -> int:
         """Samples in one pass over every source (sources cycle independently)."""

@@ -49,6 +49,7 @@ from meshloom.data.shard_format import (
     write_json,
 )
 from meshloom.data.tokenizer import Tokenizer, atomic_write_bytes
+from meshloom.output import check_resumable_folder
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16: small enough to redo quickly, large enough to be few
 _TASK_BYTES = 1 << 20  # text per worker task: large enough to amortise pickling, small enough to keep all busy
@@ -188,8 +189,7 @@ def _resume_state(folder: Path, settings: dict[str, Any], dtype: np.dtype, verif
     """(finished shard entries that are intact, whether the folder was complete and fully intact)."""
     state_path = folder / STATE_FILE
     if not state_path.is_file():
-        if any(folder.iterdir()):
-            raise UserError(f"prepare: --output {folder} is not empty and holds no prepare state; use a new or empty folder")
+        assert not any(folder.iterdir()), "check_resumable_folder refuses a non-empty folder without prepare state"
         return [], False
     state = json.loads(state_path.read_text())
     if state.get("settings") != settings:
@@ -206,6 +206,15 @@ def _resume_state(folder: Path, settings: dict[str, Any], dtype: np.dtype, verif
 
 
 # ---------------------------------------------------------------- the run
+
+
+def check_output(options: PrepareOptions) -> None:
+    """The output rule of every command (meshloom/output.py), for a folder that an interrupted prepare resumes."""
+    inputs = tuple((f"the input {item}", Path(item)) for item in options.inputs if not str(item).startswith("hf:"))
+    try:
+        check_resumable_folder(Path(options.output), STATE_FILE, inputs)
+    except UserError as err:
+        raise UserError(f"prepare: --output {err}") from None
 
 
 def prepare(options: PrepareOptions, data: DataConfig, tokenizer: Tokenizer) -> dict[str, Any] | None:
@@ -231,6 +240,7 @@ def prepare(options: PrepareOptions, data: DataConfig, tokenizer: Tokenizer) -> 
         "split": options.split,
     }
     folder = Path(options.output)
+    check_output(options)
     made = [d for d in (folder, *folder.parents) if not d.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)

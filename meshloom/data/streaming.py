@@ -52,6 +52,8 @@ def stream_files(spec: str) -> tuple[str, list[str]]:
         files = [spec]
     else:
         raise UserError(f"data.stream: {spec} matches no file or folder; give .jsonl/.json/.parquet/.arrow/.txt files or hf:NAME")
+    if files and all(Path(f).stat().st_size == 0 for f in files):
+        raise UserError(f"data.stream: {spec} is empty (0 bytes); give files that hold documents")
     builders = {_BUILDERS.get(Path(f).suffix) for f in files}
     if not files or None in builders or len(builders) != 1:
         raise UserError(
@@ -76,7 +78,10 @@ def open_stream(spec: str, split: str, dp_rank: int, dp_size: int):
             options = {"encoding": "utf_8", "encoding_errors": "replace"}
         elif builder == "text":
             options = {"sample_by": "document", "keep_linebreaks": True, "encoding_errors": "replace"}
-        dataset = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+        try:
+            dataset = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+        except StopIteration:  # `datasets` finds no record to take the fields from
+            raise UserError(f"data.stream: {spec} holds no record; give files that hold documents") from None
     return split_dataset_by_node(dataset, dp_rank, dp_size) if dp_size > 1 else dataset
 
 

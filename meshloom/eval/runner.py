@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from meshloom.checkpoint.output import write_output_file
+from meshloom.output import Inputs, write_output_file
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.loader import load_config, sections
 from meshloom.config.schema import Config
@@ -192,5 +192,5 @@ def _run(model: _Model, plan: RunPlan, eval_set: EvalSet, options: EvalOptions) 
     return totals, steps == all_steps
 
 
-def write_result(result: dict[str, Any], output: Path, overwrite: bool = False) -> Path:
-    return write_output_file(output, json.dumps(result, indent=1) + "\n", overwrite)
+def write_result(result: dict[str, Any], output: Path, overwrite: bool = False, inputs: Inputs = ()) -> Path:
+    return write_output_file(output, json.dumps(result, indent=1) + "\n", overwrite, inputs)

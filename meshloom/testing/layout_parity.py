@@ -252,5 +252,5 @@ def plot(reference: Curve, comparisons: list[Comparison], out: Path) -> Path:
     losses.legend(fontsize=7)
     diffs.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(out, dpi=110)
+    figure.savefig(out, dpi=110, format="png")
     return out

@@ -297,4 +297,10 @@ def join_replica_groups(
 ) -> NoReplicas:
     if not config.fault_tolerance.enable:
         return NoReplicas()
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:  # torchft's Manager reads the group's rendezvous store from these, as torchrun sets them
+        raise ConfigError(
+            f"fault_tolerance.enable: each replica group runs under torchrun, which sets {' and '.join(missing)}; start "
+            "this group with `torchrun --nproc-per-node N -m meshloom.train ...` (or `meshloom launch slurm`)"
+        )
     return ReplicaGroup(config, dims, device, samples_per_group_step)

@@ -33,7 +33,7 @@ def check_run_folder(config: Config, run_dir: Path, attempt: int) -> None:
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"job.dump_folder {run_dir} is not writable; choose a writable folder")
     own = run_dir / CONFIG_FILE
-    if own.is_file() and not _is_run_config(own):
+    if own.is_file() and not is_run_config(own):
         raise ConfigError(
             f"job.dump_folder {run_dir} holds a {CONFIG_FILE} that is not a meshloom run's (a model's?), which the run "
             f"would replace with its own; choose another --job.dump_folder"
@@ -46,7 +46,7 @@ def check_run_folder(config: Config, run_dir: Path, attempt: int) -> None:
         )
 
 
-def _is_run_config(path: Path) -> bool:
+def is_run_config(path: Path) -> bool:
     """Whether `path` is a config.json a meshloom run wrote (its sections), not another program's file of that name."""
     try:
         saved = json.loads(path.read_text())
@@ -56,12 +56,25 @@ def _is_run_config(path: Path) -> bool:
 
 
 def write_run_config(config: Config, run_dir: Path, start_step: int) -> Path:
-    """config.json for a fresh run; a resumed run keeps it and writes config.resume-step-N.json beside it."""
+    """config.json for a fresh run; a resumed run keeps it and writes config.resume-step-N.json beside it.
+
+    No file is ever replaced: a name already taken by the same settings (a torchrun restart) is left as it is,
+    and other settings (a second resume from the same step) go to the next free config.resume-step-N.K.json."""
+    text = json.dumps(to_dict(config), indent=1)
     path = run_dir / CONFIG_FILE
     if path.exists() and start_step > 0:
         path = run_dir / f"config.resume-step-{start_step}.json"
-    path.write_text(json.dumps(to_dict(config), indent=1))
-    return path
+    stem, again = path.stem, 1
+    while True:
+        try:
+            with open(path, "x", encoding="utf-8") as f:  # created here, or not at all
+                f.write(text)
+            return path
+        except FileExistsError:
+            if path.is_file() and path.read_text(encoding="utf-8", errors="replace") == text:
+                return path
+        again += 1
+        path = run_dir / f"{stem}.{again}.json"
 
 
 def continuation_event(resumed_from: Any, attempt: int) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from meshloom.checkpoint.hf_export import HFExporter
 from meshloom.checkpoint.state import TrainingParts, TrainProgress
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.data.build import DataBundle, build_data, check_data_config
+from meshloom.data.build import DataBundle, build_data, check_data_config, check_data_lasts
 from meshloom.data.tokenizer import check_builtin_vocab_fits
 from meshloom.inference.training_samples import build_prompt_sampler, check_sampling_config
 from meshloom.observe import flight_recorder
@@ -102,6 +102,7 @@ class Trainer:
             self.model_parts, self.optimizers, self.lr_scheduler, self.progress, self.data.train, self.dp_rank
         ))  # fmt: skip
         self.checkpointer.load()  # resume, or an initial load of weights
+        check_data_lasts(self.data.train, config.training.steps, self.tokens_per_step * self.replicas.group_size // config.training.seq_len)
         self._build_observers()
         self.replicas.bind(ReplicaState(self.checkpointer.parts), self.logger)
         self.sampler = build_prompt_sampler(self.plan, self.sample_prompts, self.data.tokenizer, self.model_parts, self.device, self.logger)
