@@ -162,6 +162,11 @@ _DEFINED = [
         ("--model.name", "qwen3", "--model.flavor", "tiny_moe", "--moe.aux_loss_coef", "0.001"),
     ),
     Feature(
+        "moe_bias", "MoE bias balancing", "moe.bias_update_rate > 0",
+        lambda f: f.n_experts > 0 and f.config.moe.bias_update_rate > 0,
+        ("--model.name", "qwen3", "--model.flavor", "tiny_moe", "--moe.bias_update_rate", "0.01"),
+    ),
+    Feature(
         "expert_loop", "expert loop", "moe.grouped_mm = 'off'", lambda f: f.n_experts > 0 and f.config.moe.grouped_mm == "off",
         ("--model.name", "qwen3", "--model.flavor", "tiny_moe", "--moe.grouped_mm", "off"),
     ),
@@ -229,6 +234,24 @@ CONFLICTS: tuple[Conflict, ...] = (
             kind, "pp",
             "semi-synchronous training syncs one whole model per group, not pipeline stages",
             "set parallelism.pp = 1 or fault_tolerance.semi_sync = ''",
+        )
+        for kind in ("diloco", "local_sgd")
+    ),
+    *(
+        Conflict(
+            kind, "moe_bias",
+            "each group trains alone between syncs, and the syncs average parameters only, so every group's expert "
+            "biases follow its own token counts and drift apart",
+            "set moe.bias_update_rate = 0 (balance with moe.aux_loss_coef) or fault_tolerance.semi_sync = ''",
+        )
+        for kind in ("diloco", "local_sgd")
+    ),
+    *(
+        Conflict(
+            kind, "qk_clip",
+            "the sync runs inside the optimizer step and QK-clip rescales after it with each group's own maxima, so "
+            "the groups' weights differ after every sync that clips",
+            "set optimizer.qk_clip_threshold = 0 or fault_tolerance.semi_sync = ''",
         )
         for kind in ("diloco", "local_sgd")
     ),

@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 
 from meshloom.config.errors import ConfigError, UserError
+from meshloom.testing.layout_parity import ParityCase
 
 STEPS = 6
 # A kill (a stop right after the checkpoint of this step) and the restart; or the stop before another layout.
@@ -91,14 +92,9 @@ FEATURE_OF: dict[str, tuple[str, ...]] = {
     "hsdp": ("hsdp", "fsdp"), "ep": ("ep", "fsdp"), "fsdp_tp": ("fsdp", "tp"), "muon_qk_clip": ("muon", "qk_clip"),
 }  # fmt: skip
 
-# The layout a "resume on another layout" cell continues on, after the stop under the cell's own layout: the same
-# number of ranks where the layout has a twin of that size (a launch runs its cases in order), else 2 ranks.
-OTHER_LAYOUT = {
-    "1proc": "dp_shard=2", "fsdp": "tp=2", "tp": "dp_shard=2", "pp": "dp_shard=2", "cp": "dp_shard=2",
-    "ep": "dp_shard=2", "hsdp": "dp_shard=2,tp=2", "fsdp_tp": "dp_replicate=2,dp_shard=2",
-}  # fmt: skip
 
 Cell = dict[str, str]  # axis -> value name
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 
 
 def value(axis: str, name: str) -> Value:
@@ -106,17 +102,48 @@ def value(axis: str, name: str) -> Value:
     return found
 
 
+# The layout a "resume on another layout" cell continues on after the stop under its own: another layout of the same
+# data-parallel degree (the streaming reader keeps a position per data-parallel rank; a change of that degree is
+# checked at resume, and tested by test_checkpoint_resume), on as many ranks or more (launches run in rank order).
+OTHER_LAYOUT: dict[str, Value] = {
+    "1proc": value("layout", "tp"), "tp": value("layout", "pp"), "pp": value("layout", "tp"),
+    "cp": value("layout", "tp"), "fsdp": value("layout", "fsdp_tp"), "ep": value("layout", "fsdp"),
+    "hsdp": Value("fsdp4", ("dp_shard=4",)), "fsdp_tp": Value("hsdp_tp", ("dp_replicate=2", "tp=2")),
+}  # fmt: skip
+
+
 def features_of(name: str) -> tuple[str, ...]:
     return FEATURE_OF.get(name, (name,))
+
+
+def settings_named(name: str) -> list[str]:
+    """Words a refusal line uses for a value: its features' settings and titles, its own settings' names, its name."""
+    from meshloom.planning.features import FEATURES
+
+    axis = next(a for a, values in AXES.items() if name in [v.name for v in values])
+    words = [w for f in features_of(name) if f in FEATURES for w in (FEATURES[f].setting, FEATURES[f].title)]
+    words += [item.split("=")[0].rsplit(".", 1)[-1] for item in value(axis, name).spec]
+    return [*words, name]
 
 
 def cell_id(cell: Cell) -> str:
     return "-".join(cell[axis] for axis in AXES)
 
 
-def spec_of(cell: Cell) -> str:
-    """The cell's synchronous settings in the parity harness's form (data, fault tolerance and resume aside)."""
-    return ",".join(item for axis in AXES for item in value(axis, cell[axis]).spec)
+GLOBAL_BATCH = 8
+GROUPS = 2
+
+
+def cell_spec(cell: Cell, layout: Value | None = None) -> str:
+    """The cell's synchronous settings in the parity harness's form (under `layout` instead of its own); replica
+    groups share the global batch, so each group's ranks read half as much."""
+    values = [layout if axis == "layout" and layout else value(axis, cell[axis]) for axis in AXES]
+    spec = ",".join(item for v in values for item in v.spec)
+    if cell["ft"] in ("diloco", "local_sgd") and cell["family"] in MOE_FAMILIES:
+        spec += ",moe.bias_update_rate=0"  # the declaration refuses semi-sync groups with bias balancing
+    if cell["ft"] != "ft_off":
+        spec += f",training.local_batch_size={GLOBAL_BATCH // (ParityCase.parse(spec).dp * GROUPS)}"
+    return spec.strip(",")
 
 
 def default_cell(**chosen: str) -> Cell:
@@ -127,9 +154,9 @@ def plan_refusal(cell: Cell) -> str | None:
     """The declaration's one line for a cell it refuses, else None (RunPlan.build on the cell's settings)."""
     from meshloom.config.loader import load_config
     from meshloom.planning.run_plan import RunPlan
-    from meshloom.testing.layout_parity import ParityCase, base_overrides
+    from meshloom.testing.layout_parity import base_overrides
 
-    case = ParityCase.parse(spec_of(cell))
+    case = ParityCase.parse(cell_spec(cell))
     argv = [*base_overrides(STEPS, Path("unused")), *case.overrides()]
     argv += data_args(cell["data"], {"shards": "web:1,code:1", "stream": "s.jsonl"})
     argv += ft_args(cell["ft"], replica_id=0, lighthouse="http://127.0.0.1:1")

@@ -132,7 +132,8 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
     trainer.checkpointer.maybe_save = save_then_maybe_stop
     try:
         trainer.train()
-    except _Stop:
+    except _Stop:  # as a killed job: nothing after the save runs, but this process leaves its replica quorum
+        trainer.replicas.shutdown()
         trainer.logger.close()
     if dist.is_initialized():
         everyone: list[list[list[int]]] = [[] for _ in range(dist.get_world_size())]

@@ -1,0 +1,130 @@
+"""Running the pairwise matrix's cells (meshloom/testing/matrix.py) in as few launches as their rank counts allow.
+
+- Synchronous cells, their one-process references, and the stops and resumes of the kill and relayout cells run as
+  resume_parity cases: one launch of forked ranks per world size, every case of that size in turn, in order.
+- Replica-group cells (`ft` on) run two groups side by side, each its own launch of forked ranks with its own
+  rendezvous, both going through the same cells in the same order; every cell (and each phase of a cell that stops
+  and resumes) gets its own Lighthouse, served from this process.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshloom.testing import matrix
+from meshloom.testing.layout_parity import ParityCase
+from meshloom.testing.matrix import GROUPS, OTHER_LAYOUT, STEPS, STOP_AFTER, Cell, cell_id, cell_spec, data_args, ft_args
+from meshloom.testing.resume_parity import Case, CaseResult, launch
+
+SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STOP_AFTER)]
+RESUME = [*SAVE, "--checkpoint.resume", "true"]
+# A fresh cell's first step waits this long for both groups (they start together, so only the slower start counts).
+FT_COMMON = ["--fault_tolerance.start_wait_seconds", "120", "--fault_tolerance.quorum_timeout_seconds", "120"]
+
+
+@dataclass
+class Outcome:
+    """What a cell trained: per group (one entry without replica groups) the losses of steps 1..STEPS and the digests
+    of the final weights; and the reference's losses."""
+
+    losses: list[list[float]]
+    reference: list[float]
+    model_digests: list[dict[str, str]] = field(default_factory=list)
+    tolerance: float = 0.0
+
+
+def _reference_spec(cell: Cell) -> str:
+    """The cell's settings on one process, reading the whole global batch."""
+    return cell_spec({**cell, "ft": "ft_off"}, matrix.value("layout", "1proc"))
+
+
+def _phases(cell: Cell, run_dir: Path, extra: list[str]) -> list[Case]:
+    """The cases of one training (one group's): straight, or a stop at STOP_AFTER and the resume."""
+    name, spec = cell_id(cell), cell_spec(cell)
+    if cell["resume"] == "straight":
+        return [Case(name, str(run_dir), spec, STEPS, None, extra)]
+    after = spec if cell["resume"] == "kill_restart" else cell_spec(cell, OTHER_LAYOUT[cell["layout"]])
+    return [
+        Case(f"{name}:stop", str(run_dir), spec, STEPS, STOP_AFTER, [*extra, *SAVE]),
+        Case(f"{name}:resume", str(run_dir), after, STEPS, None, [*extra, *RESUME]),
+    ]
+
+
+def _joined(results: dict[str, CaseResult], cases: list[Case]) -> tuple[list[float], dict[str, str]]:
+    losses = [loss for case in cases for loss in results[case.name].losses]
+    final = results[cases[-1].name].final_state
+    return losses, {k: v for k, v in final.items() if k.startswith("model.")}
+
+
+def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[str, Outcome]:
+    """Train every cell and its reference; `paths` holds the shard folders and the stream file the data values read.
+    `workdir/cache` is the data cache every run shares."""
+    sync = [c for c in cells if c["ft"] == "ft_off"]
+    groups = [c for c in cells if c["ft"] != "ft_off"]
+    references: dict[str, Case] = {}
+    cases: list[Case] = []
+    for cell in cells:
+        spec = _reference_spec(cell)
+        key = f"{spec}|{cell['data']}"
+        if key not in references:
+            references[key] = Case(f"ref{len(references)}", str(workdir / f"ref{len(references)}"), spec, STEPS, None, data_args(cell["data"], paths))
+    for cell in sync:
+        cases += _phases(cell, workdir / cell_id(cell), data_args(cell["data"], paths))
+    results = launch(list(references.values()) + cases, workdir)
+    group_results = _run_groups(groups, workdir, paths)
+    outcomes = {}
+    for cell in cells:
+        reference = results[references[f"{_reference_spec(cell)}|{cell['data']}"].name].losses
+        tolerance = ParityCase.parse(cell_spec(cell)).tolerance
+        if cell["ft"] == "ft_off":
+            losses, digests = _joined(results, _phases(cell, workdir, []))
+            outcomes[cell_id(cell)] = Outcome([losses], reference, [digests], tolerance)
+        else:
+            per_group = [_joined(group_results[g], _phases(cell, workdir, [])) for g in range(GROUPS)]
+            outcomes[cell_id(cell)] = Outcome([p[0] for p in per_group], reference, [p[1] for p in per_group], tolerance)
+    return outcomes
+
+
+def _run_groups(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> list[dict[str, CaseResult]]:
+    """Both groups of every replica-group cell; returns each group's case results by case name."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouses = []
+    per_group: list[list[Case]] = [[] for _ in range(GROUPS)]
+    for cell in cells:
+        run_dir = workdir / cell_id(cell)
+        phases = len(_phases(cell, run_dir, []))
+        # One Lighthouse per phase: a stopped group's replica id must not meet its own ghost in the next quorum.
+        homes = [LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5000) for _ in range(phases)]
+        lighthouses += homes
+        for group in range(GROUPS):
+            for phase, case in enumerate(_phases(cell, run_dir, data_args(cell["data"], paths))):
+                case.overrides += [*FT_COMMON, *ft_args(cell["ft"], group, homes[phase].address())]
+                per_group[group].append(case)
+    results: list[dict[str, CaseResult]] = [{} for _ in range(GROUPS)]
+    errors: list[BaseException] = []
+
+    def run(group: int) -> None:
+        home = workdir / f"group{group}"
+        home.mkdir(exist_ok=True)
+        if not (home / "cache").exists():
+            (home / "cache").symlink_to(workdir / "cache")
+        try:
+            results[group] = launch(per_group[group], home)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in range(GROUPS)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.shutdown()
+    if errors:
+        raise errors[0]
+    return results
