@@ -106,12 +106,25 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 
 def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False) -> Path:
-    """Write a loss-vs-step PNG (one curve per run, validation loss dashed if logged, resumes and restarts as
-    dotted vertical lines), with the data mixture over the steps beside it when the runs logged one.
+    """Write the loss-vs-step PNG of `loss_figure`.
 
     Default output: RUN_DIR/loss.png for one run, or loss_comparison.png next to the first run
     directory when comparing several. An existing file is replaced only with `overwrite`.
     """
+    run_dirs = [Path(p) for p in run_dirs]
+    fig = loss_figure(run_dirs)
+    if out is None:
+        out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
+    out = Path(out)
+    check_output_file(out, overwrite)
+    with staged_file(out, overwrite) as tmp:
+        fig.savefig(tmp, format="png")
+    return out
+
+
+def loss_figure(run_dirs: list[Path]) -> Figure:
+    """Loss vs step, one curve per run, validation loss dashed if logged, resumes, restarts and quorum changes as
+    dotted vertical lines; with the data mixture over the steps beside it when the runs logged one."""
     run_dirs = [Path(p) for p in run_dirs]
     if not run_dirs:
         raise UserError("no run directories given; pass at least one RUN_DIR")
@@ -123,11 +136,6 @@ def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False
             raise UserError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
         curves.append(((steps, losses), load_curve(run_dir, "val_loss"), load_events(run_dir)))
     mixtures = [load_mixture(run_dir) for run_dir in run_dirs]
-
-    if out is None:
-        out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
-    out = Path(out)
-    check_output_file(out, overwrite)
 
     # A run that mixes shard sources gets a second panel: each source's share of the samples over the steps.
     with_mixture = any(mixtures)
@@ -160,9 +168,7 @@ def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False
         mix_ax.grid(True, alpha=0.3)
         mix_ax.legend()
     fig.tight_layout()
-    with staged_file(out, overwrite) as tmp:
-        fig.savefig(tmp, format="png")
-    return out
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
