@@ -440,3 +440,60 @@ def test_report_shows_resumes_and_restarts(tmp_path, capsys):
     with_events = (run / "loss.png").read_bytes()
     plain = report.write_report([_write_run(tmp_path / "plain" / "r", {1: 3.0, 2: 2.5, 3: 2.3})], None).read_bytes()
     assert with_events[:8] == PNG_MAGIC and with_events != plain
+
+
+def _replica_group_run(run_dir: Path, rows: list[tuple[int, dict]]) -> Path:
+    """metrics.jsonl as a replica group's trainer writes it: its MetricLogger, step rows and event rows in order."""
+    with MetricLogger(run_dir, total_steps=10, tensorboard=False, wandb=False, progress_bar=False) as log:
+        for step, row in rows:
+            log.log_event(step, row) if "event" in row else log.log(step, row)
+    return run_dir
+
+
+def test_report_marks_quorum_changes_of_replica_groups(tmp_path, capsys):
+    """Group 1 of two dies in step 6 and rejoins in step 8 (the kill of tests/test_replica_groups.py): group 0 logs
+    the failed step and each quorum change at the step it follows, group 1 its restart and recovery. The report
+    lists every event and draws one dotted line per event, at its step, labelled, in the run's colour."""
+    both = {"replicas": 2.0, "samples_skipped": 0.0}
+    group0 = [(0, {"event": "quorum", "replicas": 2, "previous": 0})]
+    group0 += [(s, {"loss": 7.0 - 0.1 * s, **both}) for s in range(1, 6)]
+    group0 += [(6, {"event": "step_retried", "replicas": 2})]
+    group0 += [(5, {"event": "quorum", "replicas": 1, "previous": 2, "samples_skipped_per_step": 4})]
+    group0 += [(s, {"loss": 7.0 - 0.1 * s, "replicas": 1.0, "samples_skipped": 4.0 * (s - 5)}) for s in (6, 7)]
+    group0 += [(7, {"event": "quorum", "replicas": 2, "previous": 1})]
+    group0 += [(s, {"loss": 7.0 - 0.1 * s, "replicas": 2.0, "samples_skipped": 8.0}) for s in (8, 9, 10)]
+    group1 = [(0, {"event": "quorum", "replicas": 2, "previous": 0})]
+    group1 += [(s, {"loss": 7.0 - 0.1 * s, **both}) for s in range(1, 6)]
+    group1 += [(0, {"event": "restart", "attempt": 1})]
+    group1 += [(7, {"event": "replica_recovered", "replica_id": 1, "from_step": 0})]
+    group1 += [(7, {"event": "quorum", "replicas": 2, "previous": 0})]
+    group1 += [(s, {"loss": 7.0 - 0.1 * s, **both}) for s in (8, 9, 10)]
+    runs = [_replica_group_run(tmp_path / "job" / f"replica_{g}", rows) for g, rows in enumerate((group0, group1))]
+    capsys.readouterr()
+
+    assert report.main([str(run) for run in runs]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "replica_0: step 0: quorum 0->2",
+        "replica_0: step 6: step_retried",
+        "replica_0: step 5: quorum 2->1",
+        "replica_0: step 7: quorum 1->2",
+        "replica_1: step 0: quorum 0->2",
+        "replica_1: step 0: restart (attempt 1)",
+        "replica_1: step 7: replica_recovered",
+        "replica_1: step 7: quorum 0->2",
+        f"wrote {tmp_path / 'job' / 'loss_comparison.png'}",
+    ]
+    assert report.load_curve(runs[0]) == (list(range(1, 11)), [7.0 - 0.1 * s for s in range(1, 11)])
+
+    (ax,) = report.loss_figure(runs).axes
+    curves = [line for line in ax.lines if line.get_linestyle() == "-"]
+    marks = [line for line in ax.lines if line.get_linestyle() == ":"]
+    assert [curve.get_label() for curve in curves] == ["replica_0", "replica_1"]
+    assert [list(mark.get_xdata()) for mark in marks] == [[s, s] for s in (0, 6, 5, 7, 0, 0, 7, 7)]
+    colours = [curve.get_color() for curve in curves]
+    assert [mark.get_color() for mark in marks] == [colours[0]] * 4 + [colours[1]] * 4
+    labels = [(text.get_text(), text.xy[0]) for text in ax.texts]
+    assert labels == [
+        ("quorum 0->2", 0), ("step_retried", 6), ("quorum 2->1", 5), ("quorum 1->2", 7),
+        ("quorum 0->2", 0), ("restart", 0), ("replica_recovered", 7), ("quorum 0->2", 7),
+    ]  # fmt: skip

@@ -106,8 +106,7 @@ def _labels(run_dirs: list[Path]) -> list[str]:
 
 
 def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False) -> Path:
-    """Write a loss-vs-step PNG (one curve per run, validation loss dashed if logged, resumes and restarts as
-    dotted vertical lines), with the data mixture over the steps beside it when the runs logged one.
+    """Write the loss-vs-step PNG of `loss_figure`.
 
     Default output: RUN_DIR/loss.png for one run, or loss_comparison.png next to the first run
     directory when comparing several. An existing file is replaced only with `overwrite`.
@@ -115,7 +114,22 @@ def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False
     run_dirs = [Path(p) for p in run_dirs]
     if not run_dirs:
         raise UserError("no run directories given; pass at least one RUN_DIR")
+    if out is None:
+        out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
+    out = Path(out)
+    inputs = tuple(("the metrics of " + str(run_dir), Path(run_dir) / METRICS_FILE) for run_dir in run_dirs)
+    check_output_file(out, overwrite, inputs)
+    fig = loss_figure(run_dirs)
+    with staged_file(out, overwrite, inputs) as tmp:
+        fig.savefig(tmp, format="png")
+    return out
 
+
+def loss_figure(run_dirs: list[Path]) -> Figure:
+    """Loss vs step, one curve per run, validation loss dashed if logged, resumes, restarts and quorum changes as
+    dotted vertical lines; with the data mixture over the steps beside it when the runs logged one."""
+    run_dirs = [Path(p) for p in run_dirs]
+    assert run_dirs, "write_report refuses an empty list"
     curves = []
     for run_dir in run_dirs:
         steps, losses = load_curve(run_dir, "loss")
@@ -123,12 +137,6 @@ def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False
             raise UserError(f"run directory {str(run_dir)!r} has no logged 'loss' in {METRICS_FILE}")
         curves.append(((steps, losses), load_curve(run_dir, "val_loss"), load_events(run_dir)))
     mixtures = [load_mixture(run_dir) for run_dir in run_dirs]
-
-    if out is None:
-        out = run_dirs[0] / "loss.png" if len(run_dirs) == 1 else run_dirs[0].parent / "loss_comparison.png"
-    out = Path(out)
-    inputs = tuple(("the metrics of " + str(run_dir), Path(run_dir) / METRICS_FILE) for run_dir in run_dirs)
-    check_output_file(out, overwrite, inputs)
 
     # A run that mixes shard sources gets a second panel: each source's share of the samples over the steps.
     with_mixture = any(mixtures)
@@ -161,9 +169,7 @@ def write_report(run_dirs: list[Path], out: Path | None, overwrite: bool = False
         mix_ax.grid(True, alpha=0.3)
         mix_ax.legend()
     fig.tight_layout()
-    with staged_file(out, overwrite, inputs) as tmp:
-        fig.savefig(tmp, format="png")
-    return out
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

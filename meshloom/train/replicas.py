@@ -43,6 +43,7 @@ from meshloom.train.replica_check import (
     check_within_group,
 )
 from meshloom.train.replica_settings import check_groups_agree, settings_that_must_agree
+from meshloom.train.replica_store import GroupStore
 from meshloom.train.semi_sync import start_semi_sync
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -137,10 +138,15 @@ class ReplicaGroup(NoReplicas):
         timeout = timedelta(seconds=ft.timeout_seconds)
         # The cross-group process group is torchft's own: it is rebuilt for every new quorum.
         self.pg = pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.store = GroupStore.serve(timedelta(seconds=ft.connect_timeout_seconds))
         # Created before the model is built, so the Lighthouse sees this group heartbeat early and the first quorum
         # waits for it instead of starting without it.
         self.manager = Manager(
             pg=pg,
+            store_addr=self.store.host,
+            store_port=self.store.port,
+            rank=rank(),
+            world_size=dist.get_world_size() if dist.is_initialized() else 1,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=ft.min_replicas,
@@ -185,12 +191,16 @@ class ReplicaGroup(NoReplicas):
             if self.manager.num_participants() != self.live:
                 self._quorum_event(self.manager.num_participants())
             return
-        fresh = step == 0 and restart_attempt() == 0
-        deadline = time.monotonic() + (self.settings.start_wait_seconds if fresh else 0.0)
+        # A job's first quorum waits for every group, also when the job starts again from disk after every group
+        # died (the groups would otherwise start apart and skip each other's data). A group that this quorum
+        # brought up to date joined a job already under way, and waits no longer.
+        first = self.live == 0 and restart_attempt() == 0
+        deadline = time.monotonic() + (self.settings.start_wait_seconds if first else 0.0)
         while True:
             self.manager.start_quorum()
             live = self.manager.num_participants()
-            if not _all_ranks_agree(live < self.group_size and time.monotonic() < deadline):
+            caught_up = self.state.progress.step != step
+            if not _all_ranks_agree(live < self.group_size and not caught_up and time.monotonic() < deadline):
                 break
             time.sleep(0.2)
         if live != self.live:
