@@ -177,6 +177,7 @@ PP2_LAYOUTS = (
 MULTI_D_LAYOUTS = [
     "pp=4",  # one layer per stage
     "pp=2,dp_shard=2",
+    "pp=2,dp_replicate=2",
     "pp=2,tp=2",
     # Two blocks per stage, so default FSDP would reshard the first between forward and the weight-gradient pass.
     "pp=2,dp_shard=2,pipeline.schedule=InterleavedZeroBubble,pipeline.stages_per_rank=1",

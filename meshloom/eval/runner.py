@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from meshloom.output import Inputs, write_output_file
 from meshloom.config.errors import ConfigError, UserError
-from meshloom.config.loader import load_config, sections
+from meshloom.config.loader import load_config, parse_args, sections
 from meshloom.config.schema import Config
 from meshloom.eval.data import IGNORE, EvalSet, load_eval_set
 from meshloom.inference import loading
@@ -59,7 +59,10 @@ def _config(source: loading.InferenceSource, overrides: tuple[str, ...]) -> Conf
     for name, section in sections(saved).items():
         for field in dataclasses.fields(section):
             argv.append(f"--{name}.{field.name}={getattr(section, field.name)}")
-    return load_config(argv + list(_EVAL_SETTINGS) + list(overrides))
+    config = load_config(argv + list(_EVAL_SETTINGS) + list(overrides))
+    # Only the command line's settings are the user's here; the run's own passed its checks when it trained.
+    config.given = {key for key, _ in parse_args(list(overrides))[1]}
+    return config
 
 
 def eval_plan(config: Config, world_size: int, args: Any, device: torch.device | None = None) -> RunPlan:

@@ -158,6 +158,7 @@ def inference_plan(source: InferenceSource, device: torch.device, tokenizer: str
     data = saved.data if tokenizer is None else dataclasses.replace(saved.data, tokenizer=tokenizer)
     training = dataclasses.replace(saved.training, seq_len=min(saved.training.seq_len, args.max_seq_len), device=device.type)
     config = Config(model=dataclasses.replace(saved.model, name=spec.name), training=training, data=data)
+    config.given = set()  # the run's own settings, none of them given here: none is refused as idle
     return RunPlan.build(config, 1, device, model_args=args)
 
 

@@ -90,6 +90,11 @@ def apply_compile(layers: nn.ModuleDict, ac: ActivationCheckpointConfig, fullgra
         # e.g. the next case of a parity launch) would be reused with the old partition: start afresh.
         torch.compiler.reset()
     _compiled_budget = budget
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        # QK-clip's tracking writes each attention's running maximum in forward; dynamo refuses that write inside a
+        # checkpointed block unless its recompute in backward skips it, which is what eager does too
+        # (meshloom/models/common/qk_clip.py, `track`).
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in layers.values():
         compiled = _waiting_for_collectives(torch.compile(block.forward, fullgraph=fullgraph))
         block.forward = compiled if budget == 1.0 else _with_memory_budget(compiled, budget)

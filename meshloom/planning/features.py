@@ -5,7 +5,7 @@ one declaration.
   so train, --dry-run, plan, eval and generate refuse a pair or an idle setting the same way, in one line that names
   both settings and the reason.
 - `docs/compatibility.md` is generated from it together with the pairwise matrix (meshloom/testing/matrix.py): every
-  pair of the table's features is either proven by a test or refused here (meshloom.planning.compatibility).
+  pair of the table's features is either proven by a test or refused here (meshloom/testing/compatibility.py).
 - A new feature or family is added here, to the matrix's axes and to the table in the same change.
 """
 
@@ -28,10 +28,6 @@ class Facts:
     config: Config
     dims: ParallelDims
     n_experts: int
-
-    @property
-    def family(self) -> str:
-        return self.config.model.name
 
 
 Condition = Callable[[Facts], bool]
@@ -66,9 +62,12 @@ class Conflict:
     when: Condition = lambda facts: True
     """A further condition, beyond both features being on."""
 
-    def line(self) -> str:
-        a, b = FEATURES[self.first], FEATURES[self.second]
-        return f"{a.setting} ({a.title}) with {b.setting} ({b.title}): {self.reason}; {self.fix}"
+    def line(self, facts: Facts | None = None) -> str:
+        """The refusal; with the run's facts, a feature that a model has by its shape names the model."""
+        model = f"{facts.config.model.name} {facts.config.model.flavor}" if facts else "the model.flavor"
+        a, b = (FEATURES[name].setting.format(model=model) for name in (self.first, self.second))
+        ta, tb = FEATURES[self.first].title, FEATURES[self.second].title
+        return f"{a} ({ta}) with {b} ({tb}): {self.reason}; {self.fix}"
 
 
 @dataclass(frozen=True)
@@ -85,23 +84,11 @@ class Scope:
     except_keys: tuple[str, ...] = ()
 
 
-def _family(name: str, moe: bool | None = None) -> Condition:
-    return lambda f: f.family == name and (moe is None or (f.n_experts > 0) == moe)
-
-
 def _ft(kind: str) -> Condition:
     return lambda f: f.config.fault_tolerance.enable and f.config.fault_tolerance.semi_sync == kind
 
 
 _DEFINED = [
-    # Model families (one per run).
-    Feature("llama3", "Llama 3", "model.name = 'llama3'", _family("llama3"), ("--model.name", "llama3")),
-    Feature("qwen3", "Qwen3 dense", "model.name = 'qwen3'", _family("qwen3", moe=False), ("--model.name", "qwen3")),
-    Feature(
-        "qwen3_moe", "Qwen3 MoE", "model.name = 'qwen3' (MoE flavour)", _family("qwen3", moe=True),
-        ("--model.name", "qwen3", "--model.flavor", "tiny_moe"),
-    ),
-    Feature("deepseek_v3", "DeepSeek-V3 / Kimi K2", "model.name = 'deepseek_v3'", _family("deepseek_v3"), ("--model.name", "deepseek_v3")),
     # Layouts (degrees combine).
     Feature("fsdp", "FSDP", "parallelism.dp_shard > 1", lambda f: f.dims.dp_shard > 1, ("--parallelism.dp_shard", "2")),
     Feature("hsdp", "HSDP", "parallelism.dp_replicate > 1", lambda f: f.dims.dp_replicate > 1, ("--parallelism.dp_replicate", "2")),
@@ -152,10 +139,7 @@ _DEFINED = [
         "local_sgd", "LocalSGD", "fault_tolerance.semi_sync = 'local_sgd'", _ft("local_sgd"),
         ("--fault_tolerance.enable", "true", "--fault_tolerance.semi_sync", "local_sgd"),
     ),
-    # A kill and the restart, or a resume under another layout: what a run does, not a setting; the matrix marks it.
-    Feature("kill_restart", "kill + restart", "checkpoint.resume", lambda f: False),
-    Feature("resume_other_layout", "resume on another layout", "checkpoint.resume", lambda f: False),
-    # Outside the table: features whose constraints are declared here too.
+    # Features the matrix does not vary, with constraints of their own.
     Feature(
         "moe_aux_loss", "sequence-wise balance loss", "moe.aux_loss_coef > 0",
         lambda f: f.n_experts > 0 and f.config.moe.aux_loss_coef > 0,
@@ -174,7 +158,7 @@ _DEFINED = [
         "ac_memory_budget", "AC memory budget", "activation_checkpoint.mode = 'memory_budget'",
         lambda f: f.config.activation_checkpoint.mode == "memory_budget", ("--activation_checkpoint.mode", "memory_budget"),
     ),
-    Feature("dense", "dense model", "a dense model.flavor", lambda f: f.n_experts == 0, ("--model.name", "llama3")),
+    Feature("dense", "a dense model", "{model}", lambda f: f.n_experts == 0, ("--model.name", "llama3")),
     Feature(
         "no_compile", "eager", "compile.enable = false", lambda f: not f.config.compile.enable, ("--compile.enable", "false"),
     ),
@@ -188,26 +172,6 @@ _DEFINED = [
     ),
 ]
 FEATURES: dict[str, Feature] = {feature.name: feature for feature in _DEFINED}
-
-# The features of docs/compatibility.md's table, in its order; every pair is proven by a test or refused.
-TABLE = (
-    "llama3", "qwen3", "qwen3_moe", "deepseek_v3",
-    "fsdp", "hsdp", "tp", "pp", "cp", "ep",
-    "ac_full", "ac_selective", "compile", "float8",
-    "muon", "qk_clip",
-    "shards", "streaming", "document_mask",
-    "replica_groups", "diloco", "local_sgd",
-    "kill_restart", "resume_other_layout",
-)  # fmt: skip
-
-# Features of which a run has at most one: their pairs have no cell.
-EXCLUSIVE = (
-    ("llama3", "qwen3", "qwen3_moe", "deepseek_v3"),
-    ("ac_full", "ac_selective"),
-    ("shards", "streaming"),
-    ("replica_groups", "diloco", "local_sgd"),
-    ("kill_restart", "resume_other_layout"),
-)
 
 _REPLICA_KINDS = ("replica_groups", "diloco", "local_sgd")
 
@@ -356,7 +320,7 @@ def refuse_conflicts(f: Facts) -> None:
     on = set(active(f))
     for conflict in CONFLICTS:
         if conflict.first in on and conflict.second in on and conflict.when(f):
-            raise ConfigError(conflict.line())
+            raise ConfigError(conflict.line(f))
 
 
 def _given(config: Config) -> list[str]:

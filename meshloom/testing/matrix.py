@@ -1,6 +1,6 @@
-"""The pairwise matrix: features combined across nine axes, every pair of values in at least one cell.
+"""The pairwise matrix: features combined across ten axes, every pair of values in at least one cell.
 
-An all-pairs covering array (not the full product, which has 27,648 cells): `CELLS` in matrix_cells.py is what
+An all-pairs covering array (not the full product, which has 82,944 cells): `CELLS` in matrix_cells.py is what
 `generate()` wrote, and tests/test_matrix.py checks that it still covers every pair. Each cell either trains and
 matches its reference, or the declaration (meshloom/planning/features.py) refuses it by name, and the test asserts
 that line. A pair of values that the declaration refuses (witnessed by a cell of that pair alone) is covered by its
@@ -69,14 +69,14 @@ AXES: dict[str, tuple[Value, ...]] = {
     "optimizer": (
         Value("adamw"),
         Value("muon", ("optimizer.name=Muon",), 1.1),
-        Value("muon_qk_clip", ("optimizer.name=Muon", "optimizer.qk_clip_threshold=4.0"), 1.1),
+        Value("muon_qk_clip", ("optimizer.name=Muon", "optimizer.qk_clip_threshold=0.08"), 1.1),
     ),
     "data": (
         Value("builtin"),
         Value("shards", (), 1.1),
         Value("streaming", (), 1.1),
-        Value("document_mask", ("data.document_mask=true",), 1.05),
     ),
+    "mask": (Value("causal"), Value("document_mask", ("data.document_mask=true",), 1.05)),
     "ft": (
         Value("ft_off"),
         Value("replica_groups", (), 3.0),
@@ -88,7 +88,8 @@ AXES: dict[str, tuple[Value, ...]] = {
 
 # Values whose declared features differ from their names (a list: a value may turn on several).
 FEATURE_OF: dict[str, tuple[str, ...]] = {
-    "1proc": (), "ac_none": (), "eager": (), "fp32": (), "adamw": (), "builtin": (), "ft_off": (), "straight": (),
+    "1proc": (), "ac_none": (), "eager": (), "fp32": (), "adamw": (), "builtin": (), "causal": (), "ft_off": (),
+    "straight": (),
     "hsdp": ("hsdp", "fsdp"), "ep": ("ep", "fsdp"), "fsdp_tp": ("fsdp", "tp"), "muon_qk_clip": ("muon", "qk_clip"),
 }  # fmt: skip
 
@@ -122,7 +123,7 @@ def settings_named(name: str) -> list[str]:
 
     axis = next(a for a, values in AXES.items() if name in [v.name for v in values])
     words = [w for f in features_of(name) if f in FEATURES for w in (FEATURES[f].setting, FEATURES[f].title)]
-    words += [item.split("=")[0].rsplit(".", 1)[-1] for item in value(axis, name).spec]
+    words += [part.rsplit(".", 1)[-1] for item in value(axis, name).spec for part in item.split("=")]
     return [*words, name]
 
 
@@ -235,9 +236,9 @@ def _cost(cell: Cell) -> float:
     return total
 
 
-def generate(seed: int = 0, tries: int = 40) -> list[Cell]:
+def generate(seed: int = 2, tries: int = 60, weight: float = 0.5) -> list[Cell]:
     """Greedy all-pairs (AETG-like): each new cell starts from an uncovered pair and fills the other axes with the
-    values that cover the most uncovered pairs per cost; a cell the declaration refuses is not kept."""
+    values that cover the most uncovered pairs less `weight` x their cost; a cell the declaration refuses is not kept."""
     rng = random.Random(seed)
     missing = required_pairs()
     cells: list[Cell] = []
@@ -261,17 +262,27 @@ def generate(seed: int = 0, tries: int = 40) -> list[Cell]:
                     trial = {**cell, axis: v.name}
                     fixed = {k: n for k, n in trial.items() if n}
                     gain = sum(1 for p in _pairs_partial(fixed) if p in missing)
-                    scored.append((gain / v.cost, rng.random(), v.name))
+                    scored.append((gain - weight * v.cost, rng.random(), v.name))
                 cell[axis] = max(scored)[2]
-            if plan_refusal(cell) is not None:
+            if plan_refusal(cell) is not None and (cell := _repaired(cell, order)) is None:
                 continue
-            score = len(_pairs(cell) & missing) / _cost(cell)
+            score = len(_pairs(cell) & missing) - weight * _cost(cell)
             if best is None or score > best[0]:
                 best = (score, cell)
         assert best is not None, "no cell the declaration accepts covers the remaining pairs"
         cells.append(best[1])
         missing -= _pairs(best[1])
     return cells
+
+
+def _repaired(cell: Cell, free: list[str]) -> Cell | None:
+    """The refused cell with one of its freely chosen values changed so that the declaration accepts it, if any."""
+    for axis in free:
+        for v in AXES[axis]:
+            trial = {**cell, axis: v.name}
+            if plan_refusal(trial) is None:
+                return trial
+    return None
 
 
 def _pairs_partial(fixed: Cell) -> set[tuple[str, str]]:

@@ -36,8 +36,10 @@ class Outcome:
 
 
 def _reference_spec(cell: Cell) -> str:
-    """The cell's settings on one process, reading the whole global batch."""
-    return cell_spec({**cell, "ft": "ft_off"}, matrix.value("layout", "1proc"))
+    """The cell's settings on one process, reading the whole global batch, eager and without activation
+    checkpointing (neither changes what is computed, so the cell is held to the plainest run)."""
+    plain = {**cell, "ft": "ft_off", "ac": "ac_none", "compile": "eager"}
+    return cell_spec(plain, matrix.value("layout", "1proc"))
 
 
 def _phases(cell: Cell, run_dir: Path, extra: list[str]) -> list[Case]:

@@ -172,7 +172,9 @@ class ReplicaGroup(NoReplicas):
         # is the source of any recovery. (The Manager counts syncs: every step, or every sync_every steps.)
         syncs = state.progress.step // (self.settings.sync_every if self.settings.semi_sync else 1)
         self.manager.load_state_dict({"step": syncs, "batches_committed": syncs})
-        self.semi_sync = start_semi_sync(self.settings, self.manager, state.model_parts, state.optimizer)
+        self.semi_sync = start_semi_sync(
+            self.settings, self.manager, state.model_parts, state.optimizer, state.progress.step
+        )
 
     def _load(self, received: dict[str, Any]) -> None:
         before = self.state.progress.step

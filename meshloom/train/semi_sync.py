@@ -20,9 +20,14 @@ from meshloom.config.fault_tolerance import FaultToleranceConfig
 
 
 def start_semi_sync(
-    settings: FaultToleranceConfig, manager: Any, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer
+    settings: FaultToleranceConfig,
+    manager: Any,
+    model_parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    step: int = 0,
 ) -> Any:
-    """torchft's DiLoCo or LocalSGD around `optimizer`, entered (its hooks are on); None when semi_sync is off."""
+    """torchft's DiLoCo or LocalSGD around `optimizer`, entered (its hooks are on), at `step` (a resumed run's); None
+    when semi_sync is off."""
     if not settings.semi_sync:
         return None
     from torchft.local_sgd import DiLoCo, LocalSGD
@@ -35,4 +40,8 @@ def start_semi_sync(
             model.parameters(), lr=settings.outer_lr, momentum=settings.outer_momentum, nesterov=settings.outer_nesterov
         )
         wrapper = DiLoCo(manager, [model], optimizer, outer, settings.sync_every)
-    return wrapper.__enter__()
+    entered = wrapper.__enter__()
+    # torchft counts the steps since the last sync from 0; a run resumed from a checkpoint between syncs must count
+    # from where it stopped, or groups resumed at different steps would sync at different steps.
+    entered._local_step = step % settings.sync_every
+    return entered

@@ -126,11 +126,15 @@ def head_max_logits(
 
 
 def track(attention: nn.Module, q: Tensor, k: Tensor, document_ids: Tensor | None) -> None:
-    """Fold this forward's per-head maxima into ``attention.max_logits`` (the step's running maximum). Activation
-    checkpointing recomputes the same values, which leaves a maximum unchanged. An attention core that holds only a
+    """Fold this forward's per-head maxima into ``attention.max_logits`` (the step's running maximum), once per
+    forward (not again when activation checkpointing recomputes it in backward). An attention core that holds only a
     shard of the sequence (context parallel's ring) offers ``whole_sequence_keys(k, document_ids) -> (keys,
     q_positions, k_positions, key_document_ids)``: this rank's queries are then scored against every key of the
     sequence that they see, inside their own document under a document mask."""
+    if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        # Activation checkpointing recomputes this forward inside backward: its maxima were taken in the forward
+        # itself, and a selective policy refuses ops that the forward did not run (here the running maximum).
+        return
     whole = getattr(attention.core, "whole_sequence_keys", None)
     if whole is None:
         current = head_max_logits(q, k, document_ids)
