@@ -23,9 +23,10 @@ What one rank holds, by kind:
   kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`);
 - transient: the logits' gradient at the start of backward.
 
-The peak is parameters + optimizer + the larger of the activation phase (the activation peak, or the
+The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
-microbatches) and the backward-end phase (gradients + gathered).
+microbatches), the backward-end phase (gradients + gathered) and the optimizer step (gradients, plus on CPU the
+foreach AdamW's temporary copy of its parameters).
 """
 
 from __future__ import annotations
@@ -350,7 +351,18 @@ def estimate_memory(
         grads_during_forward = grads if (accumulate or layout.pp > 1) else 0
         forward_end = max(int(saved) + transient, activations) + gathered + grads_during_forward
         backward_end = grads + gathered
-        peak = params + optimizer_bytes + max(forward_end, backward_end)
+        if fsdp > 1:
+            # FSDP's backward of its largest unit: autograd's unsharded gradient of the unit (in the gathered dtype) and
+            # the reduce-scatter's input buffer it is copied into (in the reduce dtype) are alive at once, next to the
+            # gradients and the gathered weights (measured, benchmarks/RESULTS.md's whole-peak table).
+            unit = gathered_blocks[0] if gathered_blocks else 0
+            backward_end += (a + precision.reduce_dtype_bytes) * unit
+        # The optimizer step: on CPU meshloom runs AdamW's foreach implementation, whose square roots of the second
+        # moments are one more fp32 copy of every AdamW-updated parameter, alive next to the gradients (measured by
+        # the whole-peak table, benchmarks/RESULTS.md); on CUDA the fused kernels make none.
+        adamw_elems = state_elems - param_elems  # AdamW keeps 2 per element, Muon 1
+        step_phase = grads + (FP32 * adamw_elems if with_optimizer and precision.device == "cpu" else 0)
+        peak = params + optimizer_bytes + max(forward_end, backward_end, step_phase)
         estimate = MemoryEstimate(params, grads, optimizer_bytes, gathered, activations, transient, peak, stage.rank)
         if best is None or estimate.peak > best.peak:
             best = estimate
