@@ -384,7 +384,7 @@ def print_table(results: dict[str, list[dict] | str], args: argparse.Namespace) 
                 if abs(at_busiest - ratios["activations"]) > 0.005:
                     ratio += f"/{at_busiest:.3f}"
                 cells.append(f"{ratio:>13} ({mib:6.2f})")
-                inexact = {k: round(v, 4) for k, v in ratios.items() if k != "activations" and v != 1.0}
+                inexact = {k: round(v, 4) for k, v in ratios.items() if k not in ("activations", "peak") and v != 1.0}
                 if inexact:
                     notes.append(f"  {ac}: not exact {inexact}")
             print(f"{name:<14} " + " ".join(cells))
