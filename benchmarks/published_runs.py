@@ -65,7 +65,8 @@ class Run:
     mfu: float | None = None
     # Where `mfu` comes from.
     mfu_basis: str = DEFAULT_MFU_BASIS
-    # Published peak memory per GPU in GiB (torchtitan logs the caching allocator's peak reserved), or None.
+    # Published peak memory per GPU in GiB, or None. torchtitan logs the caching allocator's peak reserved bytes
+    # (`device_mem_stats.max_reserved_gib` of its DeviceMemoryMonitor, torchtitan/train.py), at least the allocated ones.
     memory_gib: float | None = None
     # Memory of one GPU of the run in GiB, for the headroom rule.
     gpu_memory_gib: float = H100_80_GIB
