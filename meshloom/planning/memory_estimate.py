@@ -360,12 +360,11 @@ def estimate_memory(
         if fsdp > 1 and gathered_blocks:
             # FSDP's backward of its largest unit: autograd's unsharded gradient of the unit (in the gathered dtype) and
             # the reduce-scatter's input buffer it is copied into (in the reduce dtype) are alive at once, next to the
-            # gathered weights, the unit's reduced shard and what the blocks before it keep for their own backward
-            # (the whole-peak table of benchmarks/RESULTS.md, read off the tracker at that moment).
+            # gathered weights and the unit's reduced shard. What else is alive was read off the tracker when the last
+            # block's gradients are reduced (the first unit to be; the whole-peak table of benchmarks/RESULTS.md): what
+            # the blocks before it keep and, when that block is dense and checkpointed, most of its recomputation (the
+            # recomputation peak stands for it); a MoE block's recomputed tensors are gone by then.
             unit = gathered_blocks[0]
-            # What is alive for backward then (read off the tracker when the last block's gradients are reduced, the
-            # first unit to be): what the blocks before it keep and, when that block is dense and checkpointed, most of
-            # its recomputation (the recomputation peak stands for it); a MoE block's recomputed tensors are gone by then.
             alive = stage.inflight * tokens * (sum(per_layer[:-1]) + first_root)
             last = stage.block_ids[-1] if stage.block_ids else None
             if last is not None and modes[-1] != "none" and not is_moe_block(shape, last):

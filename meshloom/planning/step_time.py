@@ -1,8 +1,8 @@
 """Step time of a layout on a GPU cluster, as a roofline: what `meshloom plan` ranks layouts by.
 
 The executed FLOPs run at `mfu` of the GPU's peak (under Float8 each converted linear layer's faster matmul less its
-casts, `float8_flops_saved`; Muon's Newton-Schulz iterations on top). Communication runs at each mesh dimension's link bandwidth
-(a dimension whose ranks sit in one node uses the intra-node link). FSDP's gathers and reduce-scatters and HSDP's
+casts, `float8_flops_saved`; Muon's Newton-Schulz iterations on top). Communication runs at each mesh dimension's link
+bandwidth (a dimension whose ranks sit in one node uses the intra-node link). FSDP's gathers and reduce-scatters and HSDP's
 all-reduce overlap with compute (only what exceeds the busy time is exposed); tensor, context and pipeline traffic sits
 on the critical path. Expert parallel's dispatch and combine either overlap with the expert matmuls, up to their time,
 the remainder exposed (`Cluster.expert_comm` "overlapped": how DeepSeek-V3's DualPipe and Megatron/DeepEP run them),
@@ -36,7 +36,7 @@ SELECTIVE_AC_OVERHEAD = 0.03
 # are bound by memory bandwidth, so small matrices lose. The two constants are solved from the README's two H100
 # examples (forward M, K, N = 1024, 2048, 1024: 0.80x; 4096, 8192, 16384: 1.39x), taking the casts' time as
 # proportional to M·K + K·N + M·N: the float8 matmul runs FLOAT8_GEMM_SPEEDUP times the bf16 one and each cast element
-# costs as much time as FLOAT8_CAST_FLOPS of bf16 matmul. At LLM shapes (8B: 16384 x 4096 x 14336) this gives 1.5x.
+# costs as much time as FLOAT8_CAST_FLOPS of bf16 matmul. At 8B's shapes (16384 x 4096 x 14336) this gives 1.4x.
 FLOAT8_GEMM_SPEEDUP = 1.648
 FLOAT8_CAST_FLOPS = 1582.0
 # Share of pp - 1 idle microbatch slots a schedule leaves: zero-bubble schedules split backward and fill most of
