@@ -188,28 +188,103 @@ def summarize(runs: list[Run]) -> dict:
     return out
 
 
-def extrapolate(step_s: float, gpus: int, groups: int, mtbf_h: float, restart_s: float, interval: int) -> list[str]:
-    """Lost GPU-hours per day of a `gpus`-GPU job, from the measured mechanics and stated at-scale timings.
+# At-scale timings the CPU runs cannot measure, each stated with its reason. A hung rank (not a killed one) is found
+# only when a collective times out: inside a job, meshloom's comm.train_timeout_seconds default; across replica groups,
+# fault_tolerance.timeout_seconds' default, after which the live groups leave the hung group out.
+HUNG_DETECT_S = 100.0
+GROUP_DETECT_S = 60.0
 
-    Whole-job restart: every failure idles all GPUs for the restart (scheduler, process start, collective setup,
-    checkpoint load: restart_s) and redoes on average half a checkpoint interval of steps.
-    Replica groups: only the failed group (gpus / groups GPUs) is out, for the same restart_s plus the transfer of
-    its shard of the state from a live peer (bounded here by one step); the others lose the step in flight (retried).
+
+@dataclass(frozen=True)
+class Scale:
+    """A job the measured mechanics are extrapolated to, and the timings stated for it."""
+
+    # GPUs in the job.
+    gpus: int
+    # Replica groups it is split into (replica mode).
+    groups: int
+    # Hours between failures on the whole job.
+    mtbf_h: float
+    # Seconds of one training step.
+    step_s: float
+    # Seconds to restart a job or a group (scheduler, processes, collectives, checkpoint load).
+    restart_s: float
+    # Steps between checkpoints (a restarted job redoes half of them on average).
+    interval: int
+    # Seconds before a hung rank is found inside its job or group (a collective timeout; 0 for a killed one).
+    detect_s: float = HUNG_DETECT_S
+    # Seconds the live groups wait on the hung group before leaving it out (0 for a killed one).
+    group_detect_s: float = GROUP_DETECT_S
+
+
+def extrapolate(scale: Scale, stall_steps: float) -> list[str]:
+    """Lost GPU-hours per day of the job, from the measured mechanics and the stated at-scale timings.
+
+    Whole-job restart: every failure idles all GPUs while the hang is found (detect_s), for the restart and for
+    the half checkpoint interval of steps redone on average. Replica groups: the failed group (gpus / groups GPUs) is
+    out for detect_s, the restart and the transfer of its shard of the state (bounded by one step); the live groups
+    wait group_detect_s for the hung group and then stall as measured here: `stall_steps` steps (the retried step and
+    the new quorum: measured stall / measured step).
     """
-    per_day = 24 / mtbf_h
-    restart_lost = gpus * (restart_s + interval / 2 * step_s)
-    replica_lost = gpus / groups * (restart_s + step_s) + gpus * (1 - 1 / groups) * step_s
-    lines = [
-        (f"- {gpus} GPUs, a failure every {mtbf_h:g} h on the job ({per_day:.1f} a day), {step_s:g} s steps, "
-        f"checkpoint every {interval} steps, {restart_s:g} s to restart a job or a group, {groups} replica groups."),
-        (f"- whole-job restart: {gpus} x ({restart_s:g} + {interval}/2 x {step_s:g}) = {restart_lost / 3600:.1f} GPU-hours "
-        f"a failure; x {per_day:.1f} = {restart_lost * per_day / 3600:.1f} GPU-hours a day "
-        f"({restart_lost * per_day / (gpus * 86400):.1%} of the job)."),
-        (f"- replica groups: {gpus}/{groups} x ({restart_s:g} + {step_s:g}) + {gpus} x (1 - 1/{groups}) x {step_s:g} = "
-        f"{replica_lost / 3600:.2f} GPU-hours a failure; x {per_day:.1f} = {replica_lost * per_day / 3600:.2f} GPU-hours a day "
-        f"({replica_lost * per_day / (gpus * 86400):.2%} of the job)."),
+    g, per_day = scale, 24 / scale.mtbf_h
+    restart_lost = g.gpus * (g.detect_s + g.restart_s + g.interval / 2 * g.step_s)
+    live = g.gpus * (1 - 1 / g.groups)
+    replica_lost = g.gpus / g.groups * (g.detect_s + g.restart_s + g.step_s) + live * (g.group_detect_s + stall_steps * g.step_s)
+    return [
+        (f"- {g.gpus} GPUs, a failure every {g.mtbf_h:.1f} h on the job ({per_day:.1f} a day), {g.step_s:g} s steps, "
+         f"checkpoint every {g.interval} steps, {g.restart_s:g} s to restart a job or a group, {g.groups} replica groups; "
+         f"the failure found after {g.detect_s:g} s inside its job or group, by the live groups after "
+         f"{g.group_detect_s:g} s; live groups stall {stall_steps:.1f} steps (measured)."),
+        (f"- whole-job restart: {g.gpus} x ({g.detect_s:g} + {g.restart_s:g} + {g.interval}/2 x {g.step_s:g}) = "
+         f"{restart_lost / 3600:.1f} GPU-hours a failure; x {per_day:.1f} = {restart_lost * per_day / 3600:.1f} GPU-hours "
+         f"a day ({restart_lost * per_day / (g.gpus * 86400):.1%} of the job)."),
+        (f"- replica groups: {g.gpus}/{g.groups} x ({g.detect_s:g} + {g.restart_s:g} + {g.step_s:g}) + {g.gpus} x "
+         f"(1 - 1/{g.groups}) x ({g.group_detect_s:g} + {stall_steps:.1f} x {g.step_s:g}) = {replica_lost / 3600:.2f} "
+         f"GPU-hours a failure; x {per_day:.1f} = {replica_lost * per_day / 3600:.2f} GPU-hours a day "
+         f"({replica_lost * per_day / (g.gpus * 86400):.2%} of the job)."),
     ]
-    return lines
+
+
+def machine_line() -> str:
+    return f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags: {' '.join(sorted(cpu_flags()))}"
+
+
+def report(runs: list[Run], rounds: int, steps: int, kill_step: int, machine: str) -> str:
+    """The table over the rounds, and the extrapolation to 1,024 GPUs with its arithmetic."""
+    summary = summarize(runs)
+    lines = [
+        machine,
+        (f"{rounds} rounds, {steps} steps, kill during step {kill_step}, checkpoint interval "
+         f"{CHECKPOINT_INTERVAL}; median (min-max) over the rounds"),
+        "",
+        "| mode | step s | progress stalled s | rank-seconds lost | failure window s | live-group steps in it | steps redone |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for mode, m in summary.items():
+        lines.append(
+            f"| {mode} | {_median_spread(m['step_s'])} | {_median_spread(m['stalled_s'])} | {_median_spread(m['rank_seconds_lost'])} "
+            f"| {_median_spread(m['window_s'])} | {_median_spread(m['healthy_steps'])} | {_median_spread(m['steps_redone'])} |"
+        )
+    restart = [r for r in runs if r.mode == "restart"]
+    overhead = statistics.median(r.stalled_s - r.steps_redone * r.step_s for r in restart)
+    replica = summary["replica"]
+    stall_s, step_s = statistics.median(replica["stalled_s"]), statistics.median(replica["step_s"])
+    stall_steps = stall_s / step_s
+    lines += [
+        "",
+        (f"Whole-job restart here: {overhead:.1f} s (median) of the stall is the restart itself (processes, process "
+         "groups, checkpoint load); the rest is the steps since the last checkpoint, trained again."),
+        f"Live groups' stall in steps: {stall_s:.2f} s / {step_s:.3f} s = {stall_steps:.1f} steps (medians).",
+        "",
+        "At scale (stated timings, the same mechanics), a hung rank:",
+    ]
+    # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs; the rate scales with the GPU count.
+    mtbf_1024 = 54 * 24 / 419 * 16384 / 1024
+    for mtbf in (mtbf_1024, 3.0):
+        lines += extrapolate(Scale(1024, 8, mtbf, step_s=5.0, restart_s=600, interval=500), stall_steps)
+    lines += ["", "A killed rank (found at once, no timeout):"]
+    lines += extrapolate(Scale(1024, 8, mtbf_1024, 5.0, 600, 500, detect_s=0.0, group_detect_s=0.0), stall_steps)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -218,7 +293,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="steps per run; long enough for group 1 to come back")
     parser.add_argument("--kill-step", type=int, default=16, help="the step during which rank 1 is killed")
     parser.add_argument("--out", default="", help="folder for fault_tolerance.json and fault_tolerance.txt")
+    parser.add_argument("--runs", type=Path, help="print the report of an earlier run's fault_tolerance.json (its "
+                        "--rounds, --steps and --kill-step given again) instead of running")  # fmt: skip
     args = parser.parse_args()
+    if args.runs:
+        saved = json.loads(args.runs.read_text())["runs"]
+        machine = f"runs read from {args.runs} (the machine they ran on is recorded with them)"
+        print(report([Run(**r) for r in saved], args.rounds, args.steps, args.kill_step, machine))
+        return
     work = Path(tempfile.mkdtemp(prefix="meshloom-ft-bench-"))
     runs: list[Run] = []
     try:
@@ -235,29 +317,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(runs)
-    lines = [
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, flags: {' '.join(sorted(cpu_flags()))}",
-        (f"{args.rounds} rounds, {args.steps} steps, kill during step {args.kill_step}, checkpoint interval "
-         f"{CHECKPOINT_INTERVAL}; median (min-max) over the rounds"),
-        "",
-        "| mode | step s | progress stalled s | rank-seconds lost | failure window s | live-group steps in it | steps redone |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for mode, m in summary.items():
-        lines.append(
-            f"| {mode} | {_median_spread(m['step_s'])} | {_median_spread(m['stalled_s'])} | {_median_spread(m['rank_seconds_lost'])} "
-            f"| {_median_spread(m['window_s'])} | {_median_spread(m['healthy_steps'])} | {_median_spread(m['steps_redone'])} |"
-        )
-    restart = [r for r in runs if r.mode == "restart"]
-    overhead = statistics.median(r.stalled_s - r.steps_redone * r.step_s for r in restart)
-    note = (f"Whole-job restart here: {overhead:.1f} s (median) of the stall is the restart itself (processes, process "
-            "groups, checkpoint load); the rest is the steps since the last checkpoint, trained again.")
-    lines += ["", note, "", "At scale (stated timings, the same mechanics):"]
-    # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs; the rate scales with the GPU count.
-    mtbf_1024 = 54 * 24 / 419 * 16384 / 1024
-    lines += extrapolate(step_s=5.0, gpus=1024, groups=8, mtbf_h=mtbf_1024, restart_s=600, interval=500)
-    lines += extrapolate(step_s=5.0, gpus=1024, groups=8, mtbf_h=3.0, restart_s=600, interval=500)
-    text = "\n".join(lines)
+    text = report(runs, args.rounds, args.steps, args.kill_step, machine_line())
     print(text)
     if args.out:
         out = Path(args.out)

@@ -65,7 +65,7 @@ LAYOUTS = [
     "dp_shard=2,activation_checkpoint.mode=selective_layer,activation_checkpoint.every_k_layers=4",
 ]
 # Largest allowed |measured / estimated - 1|: parameters, gradients and optimizer state are counted exactly.
-TARGETS = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.20}
+TARGETS = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.20, "peak": 0.10}
 
 # The table (--table): each family at a small shape (2 blocks; the MoE families' second block is sparse, DeepSeek-V3's
 # prediction module is a third), under every layout its shape allows and each activation-checkpointing mode.
@@ -198,6 +198,10 @@ def measure_case(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path
     activation_peak = track_activation_peak(tracker)
     with tracker, book_recomputation_as_activations(tracker):
         trainer.train_step()
+    # The whole peak: the most the tracker held at once after any op of the step (parameters, gradients, optimizer
+    # state, activations, FSDP's all-gather and reduce-scatter buffers and every temporary, unshard hooks included).
+    whole_peak = max(tracker._peak_mem.values(), default=0)
+    at_peak = {str(getattr(k, "value", k)): v for snap in tracker.get_tracker_snapshot("peak").values() for k, v in snap.items()}
     params = [p for part in parts for p in part.parameters()]
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0]
     measured = {
@@ -205,8 +209,10 @@ def measure_case(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path
         "grads": local_tensor_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": local_tensor_bytes(state),
         "activations": activation_peak[0],
+        "peak": whole_peak,
     }
-    return {"measured": measured}
+    # What the tracker held by kind at that peak (a snapshot of the moment, not each kind's own peak).
+    return {"measured": measured, "at_peak": at_peak}
 
 
 def case_args(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path) -> list[str]:
@@ -296,7 +302,7 @@ def estimate_ranks(spec: str, args: argparse.Namespace, workdir: Path) -> list[d
     estimates = []
     for r in range(n):
         e = estimate_memory(plan.shape(), layout, args.seq_len, precision, stage_index=r // (n // layout.pp))
-        estimates.append({"params": e.params, "grads": e.grads, "optimizer": e.optimizer, "activations": e.activations})
+        estimates.append({"params": e.params, "grads": e.grads, "optimizer": e.optimizer, "activations": e.activations, "peak": e.peak})
     return estimates
 
 
@@ -308,7 +314,7 @@ def with_estimates(measured: dict[str, list[dict] | str], args: argparse.Namespa
             results[spec] = ranks
             continue
         estimates = estimate_ranks(spec, args, workdir)
-        results[spec] = [{"measured": r["measured"], "estimated": e} for r, e in zip(ranks, estimates, strict=True)]
+        results[spec] = [{**r, "estimated": e} for r, e in zip(ranks, estimates, strict=True)]
     return results
 
 
@@ -325,7 +331,7 @@ def measure(spec: str, args: argparse.Namespace, workdir: Path, index: int) -> l
 def ratios_of(ranks: list[dict]) -> dict[str, float]:
     """Measured / estimated per kind, on the rank whose ratio is furthest from 1."""
     ratios = {}
-    for kind in TARGETS:
+    for kind in (k for k in TARGETS if k in ranks[0]["measured"]):
         pairs = [(r["measured"][kind], r["estimated"][kind]) for r in ranks]
         ratios[kind] = max(((m / e if e else float("inf")) for m, e in pairs), key=lambda x: abs(x - 1))
     return ratios
@@ -334,7 +340,7 @@ def ratios_of(ranks: list[dict]) -> dict[str, float]:
 def print_layouts(specs: list[str], results: dict[str, list[dict] | str], args: argparse.Namespace) -> None:
     width = max(len(spec) for spec in specs + ["1 process"])
     print(f"model {args.flavor}, seq {args.seq_len}, batch {args.batch}, fp32: measured / estimated per rank (worst rank)")
-    print(f"{'layout':<{width}} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'act MiB':>8}")
+    print(f"{'layout':<{width}} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'peak':>8} {'act MiB':>8}")
     worst = dict.fromkeys(TARGETS, 0.0)
     for spec in specs:
         ranks = results[spec]
@@ -342,10 +348,10 @@ def print_layouts(specs: list[str], results: dict[str, list[dict] | str], args: 
             print(f"{spec or '1 process':<{width}} not run: {ranks}")
             continue
         ratios = ratios_of(ranks)
-        for kind in TARGETS:
+        for kind in ratios:
             worst[kind] = max(worst[kind], abs(ratios[kind] - 1))
         act_mib = max(r["measured"]["activations"] for r in ranks) / 2**20
-        print(f"{spec or '1 process':<{width}} " + " ".join(f"{ratios[k]:>8.3f}" for k in TARGETS) + f" {act_mib:>8.2f}")
+        print(f"{spec or '1 process':<{width}} " + " ".join(f"{ratios.get(k, float('nan')):>8.3f}" for k in TARGETS) + f" {act_mib:>8.2f}")
     print("largest deviation: " + ", ".join(f"{k} {worst[k] * 100:.1f}% (target {TARGETS[k] * 100:.0f}%)" for k in TARGETS))
 
 
@@ -378,12 +384,40 @@ def print_table(results: dict[str, list[dict] | str], args: argparse.Namespace) 
                 if abs(at_busiest - ratios["activations"]) > 0.005:
                     ratio += f"/{at_busiest:.3f}"
                 cells.append(f"{ratio:>13} ({mib:6.2f})")
-                inexact = {k: round(v, 4) for k, v in ratios.items() if k != "activations" and v != 1.0}
+                inexact = {k: round(v, 4) for k, v in ratios.items() if k not in ("activations", "peak") and v != 1.0}
                 if inexact:
                     notes.append(f"  {ac}: not exact {inexact}")
             print(f"{name:<14} " + " ".join(cells))
             for note in notes:
                 print(note)
+
+
+def print_peak_table(results: dict[str, list[dict] | str]) -> None:
+    """The whole peak measured / estimated per family, layout and AC mode: the lowest and highest ratio over the
+    ranks, and the measured peak (MiB) of the rank that held the most."""
+    specs = table_specs()
+    print(f"\nwhole peak (parameters, gradients, optimizer state, activations, FSDP buffers, temporaries) measured / "
+          f"estimated: lowest-highest over the ranks (measured MiB, largest rank); target 0.9-1.1 on every rank")
+    inside = total = 0
+    for model in TABLE_MODELS:
+        print(f"\n{model}")
+        print(f"{'layout':<14} " + " ".join(f"{ac:>22}" for ac in AC_MODES))
+        for name in TABLE_LAYOUTS:
+            if (model, name, AC_MODES[0]) not in specs:
+                continue
+            cells = []
+            for ac in AC_MODES:
+                ranks = results[specs[(model, name, ac)]]
+                if isinstance(ranks, str) or "peak" not in ranks[0]["measured"]:
+                    cells.append(f"{'not measured':>22}")
+                    continue
+                ratios = [r["measured"]["peak"] / r["estimated"]["peak"] for r in ranks]
+                mib = max(r["measured"]["peak"] for r in ranks) / 2**20
+                total += 1
+                inside += all(0.9 <= x <= 1.1 for x in ratios)
+                cells.append(f"{min(ratios):.3f}-{max(ratios):.3f} ({mib:6.1f})")
+            print(f"{name:<14} " + " ".join(f"{c:>22}" for c in cells))
+    print(f"\n{inside} of {total} cells within 0.9-1.1 on every rank")
 
 
 def main() -> None:
@@ -412,6 +446,7 @@ def main() -> None:
     results = with_estimates(measured, args, workdir / "estimate")
     if args.table:
         print_table(results, args)
+        print_peak_table(results)
     else:
         print_layouts(specs, results, args)
 

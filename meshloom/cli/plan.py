@@ -19,9 +19,9 @@ from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.planning.layout import AC_MODES
 from meshloom.planning.memory_estimate import OPTIMIZERS
-from meshloom.planning.plan_report import format_table, layout_toml, recipe_note
+from meshloom.planning.plan_report import expert_comm_note, format_table, layout_toml, recipe_note
 from meshloom.planning.planner import PLAN_SCHEDULES, SearchSpace, plan
-from meshloom.planning.step_time import INTERCONNECTS, Cluster
+from meshloom.planning.step_time import EXPERT_COMM_MODES, INTERCONNECTS, Cluster
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mfu", type=float, default=0.4, help="share of peak FLOP/s the compute reaches")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU")
     parser.add_argument("--headroom", type=float, default=0.9, help="usable share of GPU memory")
+    parser.add_argument("--expert-comm", default="overlapped", choices=EXPERT_COMM_MODES,
+                        help="expert all-to-all hidden behind the expert matmuls up to their time (DeepEP-like), or "
+                        "wholly exposed (meshloom's own dispatch)")  # fmt: skip
     parser.add_argument("--ac", default=",".join(AC_MODES), help="activation-checkpointing modes to try")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="optimizers to try (optimizer.name)")
     parser.add_argument("--float8", default="both", choices=("both", "on", "off"), help="whether to try Float8")
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             _choices(opts.schedules, PLAN_SCHEDULES, "--schedules"),
             opts.split_points,
         )
-        cluster = Cluster(opts.gpus, opts.gpus_per_node, opts.gpu_memory_gib, opts.interconnect, opts.peak_tflops, opts.mfu, opts.headroom)
+        cluster = Cluster(opts.gpus, opts.gpus_per_node, opts.gpu_memory_gib, opts.interconnect, opts.peak_tflops, opts.mfu, opts.headroom,
+                          expert_comm=opts.expert_comm)  # fmt: skip
         start = time.perf_counter()
         candidates = plan(opts.flavor, cluster, opts.seq_len, opts.global_batch, model=opts.model, space=space)
     except UserError as err:
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(searched in {time.perf_counter() - start:.1f} s); fastest first"
     )
     print(format_table(candidates, opts.top))
+    if any(c.layout.ep > 1 for c in candidates):
+        print(expert_comm_note(cluster.expert_comm))
     tp_max = math.gcd(opts.gpus, opts.gpus_per_node)
     if tp_max < min(opts.gpus, opts.gpus_per_node):
         print(f"note: every layout uses all {opts.gpus} GPUs, so tensor parallel is limited to degrees dividing both "
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               "allows more")
     if opts.output is not None:
         command = "meshloom plan " + shlex.join(a for a in argv if a != "--overwrite")
-        note = recipe_note(candidates[0], opts.gpus, command)
+        note = recipe_note(candidates[0], opts.gpus, command, cluster.expert_comm)
         # A UserError here (the target became unwritable during the search) is one line from the dispatcher.
         write_output_file(opts.output, layout_toml(opts.model, opts.flavor, candidates[0].layout, opts.seq_len, note), opts.overwrite)
         print(f"wrote {opts.output}")

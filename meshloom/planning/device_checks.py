@@ -7,6 +7,7 @@ a laptop refuses what the CUDA run would refuse; "auto" plans for GPUs, as the d
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +16,7 @@ from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.common.moe import grouped_mm_device_type_supported, grouped_mm_supported
 from meshloom.parallel.compile import check_compile_config
-from meshloom.parallel.float8 import check_float8_config
+from meshloom.parallel.float8 import check_float8_config, float8_targets
 
 if TYPE_CHECKING:
     from meshloom.planning.run_plan import RunPlan
@@ -57,3 +58,15 @@ def _check_grouped_mm(plan: RunPlan, device_type: str, device: torch.device | No
             f"sizes {list(sizes)} (CPU: fp32/bf16, CUDA: bf16 on sm90+; rows a multiple of 16 bytes); set "
             "moe.grouped_mm = 'auto' or 'off'"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def float8_converts_linears(model: str, flavor: str, tp: int) -> bool:
+    """Whether Float8 would convert any linear layer of the model at tensor-parallel degree `tp`: `float8_targets` on a
+    meta-device copy (shapes only, no device), the check `float8.enable` gets before any process group."""
+    from meshloom.models.registry import get_model_args, get_model_spec
+
+    spec = get_model_spec(model)
+    with torch.device("meta"):
+        converted, _ = float8_targets(spec.model_cls(get_model_args(model, flavor)), tp)
+    return bool(converted)

@@ -23,9 +23,10 @@ What one rank holds, by kind:
   kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`);
 - transient: the logits' gradient at the start of backward.
 
-The peak is parameters + optimizer + the larger of the activation phase (the activation peak, or the
+The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
-microbatches) and the backward-end phase (gradients + gathered).
+microbatches), the backward-end phase (gradients + gathered) and the optimizer step (gradients, plus on CPU the
+foreach AdamW's temporary copy of its parameters).
 """
 
 from __future__ import annotations
@@ -347,10 +348,35 @@ def estimate_memory(
         activations = int(max(saved + tokens * (loss_logits + loss_shift), recompute_peak))
         logits_grad = 2 * FP32 * vocab if stage.last else 0.0  # log-softmax's gradient and its input's
         transient = int(tokens * logits_grad)
-        grads_during_forward = grads if (accumulate or layout.pp > 1) else 0
+        # Gradients exist during a forward only once an earlier microbatch's backward ran (accumulation, or a pipeline
+        # schedule's later microbatches); zero_grad frees them at the end of each step.
+        grads_during_forward = grads if layout.microbatches > 1 else 0
         forward_end = max(int(saved) + transient, activations) + gathered + grads_during_forward
         backward_end = grads + gathered
-        peak = params + optimizer_bytes + max(forward_end, backward_end)
+        if layout.pp > 1:
+            # A pipeline stage's backward runs while its activations are alive and the gradients of the blocks already
+            # done accumulate (bounded by the activation peak next to every gradient; measured on the PP 2 cells).
+            backward_end = max(backward_end, activations + grads + gathered)
+        if fsdp > 1 and gathered_blocks:
+            # FSDP's backward of its largest unit: autograd's unsharded gradient of the unit (in the gathered dtype) and
+            # the reduce-scatter's input buffer it is copied into (in the reduce dtype) are alive at once, next to the
+            # gathered weights and the unit's reduced shard. What else is alive was read off the tracker when the last
+            # block's gradients are reduced (the first unit to be; the whole-peak table of benchmarks/RESULTS.md): what
+            # the blocks before it keep and, when that block is dense and checkpointed, most of its recomputation (the
+            # recomputation peak stands for it); a MoE block's recomputed tensors are gone by then.
+            unit = gathered_blocks[0]
+            alive = stage.inflight * tokens * (sum(per_layer[:-1]) + first_root)
+            last = stage.block_ids[-1] if stage.block_ids else None
+            if last is not None and modes[-1] != "none" and not is_moe_block(shape, last):
+                alive = max(alive, recompute_peak)
+            unit_backward = (a + precision.reduce_dtype_bytes) * unit + FP32 * _split(unit, fsdp) + int(alive) + gathered
+            backward_end = max(backward_end, unit_backward + (grads if accumulate else 0))
+        # The optimizer step: on CPU meshloom runs AdamW's foreach implementation, whose square roots of the second
+        # moments are one more fp32 copy of every AdamW-updated parameter, alive next to the gradients (measured by
+        # the whole-peak table, benchmarks/RESULTS.md); on CUDA the fused kernels make none.
+        adamw_elems = state_elems - param_elems  # AdamW keeps 2 per element, Muon 1
+        step_phase = grads + (FP32 * adamw_elems if with_optimizer and precision.device == "cpu" else 0)
+        peak = params + optimizer_bytes + max(forward_end, backward_end, step_phase)
         estimate = MemoryEstimate(params, grads, optimizer_bytes, gathered, activations, transient, peak, stage.rank)
         if best is None or estimate.peak > best.peak:
             best = estimate

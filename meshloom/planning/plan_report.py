@@ -77,7 +77,15 @@ def layout_toml(model: str, flavor: str, layout: Layout, seq_len: int, note: str
     return "\n".join(lines) + "\n"
 
 
-def recipe_note(candidate: Candidate, gpus: int, command: str) -> str:
+def expert_comm_note(mode: str) -> str:
+    """What a plan assumes of expert all-to-all (Cluster.expert_comm)."""
+    if mode == "overlapped":
+        return ("expert all-to-all assumed overlapped with the expert matmuls (DeepEP/DualPipe-like; only the remainder "
+                "is exposed); meshloom's own dispatch does not overlap: --expert-comm exposed plans for it")
+    return "expert all-to-all assumed exposed (meshloom's own dispatch, no overlap)"
+
+
+def recipe_note(candidate: Candidate, gpus: int, command: str, expert_comm: str = "overlapped") -> str:
     """The header of a planned recipe: how it was made and what the planner predicts for it."""
     m, t = candidate.memory, candidate.time
     return "\n".join([
@@ -86,4 +94,5 @@ def recipe_note(candidate: Candidate, gpus: int, command: str) -> str:
         f"Predicted peak memory: {m.peak / GIB:.1f} GiB per GPU (params {m.params / GIB:.1f}, grads {m.grads / GIB:.1f}, "
         f"optimizer {m.optimizer / GIB:.1f}, gathered {m.gathered / GIB:.1f}, activations {m.activations / GIB:.1f})",
         f"Predicted step: {t.step:.3f} s on {gpus} GPUs, {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU",
+        *([expert_comm_note(expert_comm)] if candidate.layout.ep > 1 else []),
     ])

@@ -8,8 +8,9 @@ layout it reports was built by `RunPlan.build` from the settings its recipe carr
 it, so a plan never proposes what the trainer refuses, and `layout_of(plan)` is the layout it estimates.
 
 Each structure (degrees, schedule, microbatching) is first estimated in its most frugal variant (full
-checkpointing, Muon, Float8); when even that does not fit, its other variants are skipped unseen. Otherwise the
-fastest of its variants (AC mode x optimizer x Float8) that fits stands for it (`_fastest_fitting_variant`).
+checkpointing, Muon, Float8 where the model's linears qualify); when even that does not fit, its other variants are
+skipped unseen. Otherwise the fastest of its variants (AC mode x optimizer x Float8) that fits stands for it
+(`_fastest_fitting_variant`): Float8 is a choice timed like the others, never taken for granted.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from meshloom.config.schema import Config
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.parallel.pipeline import SCHEDULES, parse_split_points
+from meshloom.planning.device_checks import float8_converts_linears
 from meshloom.planning.layout import AC_MODES, Layout, Precision, layout_config, layout_of
 from meshloom.planning.memory_estimate import GIB, OPTIMIZERS, MemoryEstimate, estimate_memory
 from meshloom.planning.run_plan import RunPlan
-from meshloom.planning.step_time import INTERCONNECTS, Cluster, StepTime, step_time
+from meshloom.planning.step_time import EXPERT_COMM_MODES, INTERCONNECTS, Cluster, StepTime, step_time
 
 # Pipeline schedules the search tries: 1F1B (GPipe has its bubble and more memory), the interleaved 1F1B, and
 # the two V schedules with zero bubble.
@@ -129,26 +131,34 @@ AC_SPEED_ORDER = ("none", "selective_op", "full")
 
 
 def _fastest_fitting_variant(
-    shape: ShapeModel, layout: Layout, space: SearchSpace, seq_len: int, precision: Precision, cluster: Cluster
-) -> Candidate | None:
+    shape: ShapeModel, layout: Layout, space: SearchSpace, seq_len: int, precision: Precision, cluster: Cluster,
+    float8: tuple[bool, ...] = (False,),
+) -> Candidate | None:  # fmt: skip
     """Of one structure's variants (AC mode x optimizer x Float8), the fastest that fits: only it can rank, since a
     faster one that fits would beat it and a slower one never ranks above it.
 
-    Float8 is faster and smaller than bf16, so it is the one tried when allowed. For each optimizer the AC modes are
-    tried fastest first up to the first that fits; the optimizers' winners are then timed against each other (Muon's
-    Newton-Schulz time against the recomputation AdamW's extra memory may force)."""
-    float8 = max(space.float8)
+    `float8` holds the Float8 settings offered (True only where the model's linears qualify at this tp). For each
+    optimizer and Float8 setting the AC modes are tried fastest first up to the first that fits; those winners are
+    then timed against each other (Muon's Newton-Schulz time against the recomputation AdamW's extra memory may force;
+    Float8's faster matmuls against its casts, which cost more than they gain on small matrices)."""
     best = None
     for optimizer in space.optimizers:
-        for ac in (mode for mode in AC_SPEED_ORDER if mode in space.ac_modes):
-            variant = dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=float8)
-            memory = estimate_memory(shape, variant, seq_len, precision)
-            if memory.peak <= cluster.usable_bytes:
-                time = step_time(shape, variant, seq_len, precision, cluster)
-                if best is None or time.step < best.time.step:
-                    best = Candidate(variant, memory, time)
-                break
+        for f8 in float8:
+            for ac in (mode for mode in AC_SPEED_ORDER if mode in space.ac_modes):
+                variant = dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=f8)
+                memory = estimate_memory(shape, variant, seq_len, precision)
+                if memory.peak <= cluster.usable_bytes:
+                    time = step_time(shape, variant, seq_len, precision, cluster)
+                    if best is None or time.step < best.time.step:
+                        best = Candidate(variant, memory, time)
+                    break
     return best
+
+
+def float8_choices(model: str, flavor: str, tp: int, space: SearchSpace) -> tuple[bool, ...]:
+    """The Float8 settings of `space` that a layout of tensor-parallel degree `tp` may take: True only where Float8
+    converts at least one of the model's linear layers (checked on a meta-device copy, no device)."""
+    return tuple(f8 for f8 in space.float8 if not f8 or float8_converts_linears(model, flavor, tp))
 
 
 def _build(base: Config, layout: Layout, gpus: int, search: _Search) -> Layout | None:
@@ -172,7 +182,7 @@ def search_layouts(
     counts = tuple(b - a for a, b in zip([0] + points, points + [args.n_layers])) if points else ()
     usable = cluster.usable_bytes
     search, candidates = _Search(), []
-    frugal = dict(ac="full" if "full" in space.ac_modes else space.ac_modes[0], optimizer=min(space.optimizers, key=("Muon", "AdamW").index), float8=max(space.float8))
+    frugal = dict(ac="full" if "full" in space.ac_modes else space.ac_modes[0], optimizer=min(space.optimizers, key=("Muon", "AdamW").index))
     too_big: set[tuple] = set()
     for structure in _structures(shape, cluster, seq_len, global_batch, space, counts):
         # Microbatch sizes come in increasing order: once one does not fit, larger ones (with the same kind of
@@ -181,7 +191,10 @@ def search_layouts(
         family = (dataclasses.replace(structure, microbatch_size=1, microbatches=1, grad_accum_steps=1), structure.grad_accum_steps > 1)
         if family in too_big and structure.microbatches > 1:
             continue
-        lean = dataclasses.replace(structure, **frugal)
+        float8 = float8_choices(model, flavor, structure.tp, space)
+        if not float8:
+            continue
+        lean = dataclasses.replace(structure, float8=max(float8), **frugal)  # float8 gathers the fewest bytes
         memory = estimate_memory(shape, lean, seq_len, precision)
         if search.smallest is None or memory.peak < search.smallest[1].peak:
             search.smallest = (lean, memory)
@@ -191,7 +204,7 @@ def search_layouts(
         built = _build(base, structure, cluster.gpus, search)
         if built is None:
             continue
-        best = _fastest_fitting_variant(shape, built, space, seq_len, precision, cluster)
+        best = _fastest_fitting_variant(shape, built, space, seq_len, precision, cluster, float8)
         if best is not None:
             candidates.append(best)
     return candidates, search
@@ -211,6 +224,8 @@ def plan(
         args = get_model_args(model, flavor)
     except ValueError as err:  # an unknown model or flavour, with the choices
         raise UserError(str(err)) from None
+    if cluster.expert_comm not in EXPERT_COMM_MODES:
+        raise UserError(f"unknown expert_comm {cluster.expert_comm!r}; choices: {', '.join(EXPERT_COMM_MODES)}")
     if cluster.interconnect not in INTERCONNECTS:
         raise UserError(f"unknown interconnect {cluster.interconnect!r}; choices: {', '.join(INTERCONNECTS)}")
     if cluster.gpus % cluster.gpus_per_node and cluster.gpus > cluster.gpus_per_node:
