@@ -1,0 +1,179 @@
+"""The gpt-oss family: published sizes, FlexAttention's masks and sinks, Hugging Face interop, generation with the
+window and the sinks, refused settings and the dry runs of 20B and 120B."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import meshloom
+from meshloom.checkpoint.hf import HFFolder, write_hf_folder
+from meshloom.cli.checkpoint_commands import convert_main
+from meshloom.inference.generate import generate
+from meshloom.models.common.flex_attention import MaskSpec, flex_attention, masked_attention_with_sinks
+from meshloom.models.registry import get_model_args, get_model_spec
+
+transformers = pytest.importorskip("transformers")
+SPEC = get_model_spec("gpt_oss")
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def test_every_flavour_builds_and_its_shape_model_counts_the_same_parameters():
+    for flavor, args in SPEC.flavors.items():
+        with torch.device("meta"):
+            model = SPEC.model_cls(args)
+        assert SPEC.shape_model(args).num_params() == model.num_params(), flavor
+
+
+@pytest.mark.parametrize(("flavor", "total", "released_active"), [("20B", 20.91e9, 3.61e9), ("120B", 116.83e9, 5.13e9)])
+def test_published_sizes(flavor, total, released_active):
+    """OpenAI's model card: 20.91B (3.61B active) and 116.83B (5.13B active). Its active count leaves out the
+    embedding table (a lookup), as matmul_params_per_token does; active_params counts the table too."""
+    shape = SPEC.shape_model(get_model_args("gpt_oss", flavor))
+    assert shape.num_params() == pytest.approx(total, rel=1e-3)
+    assert shape.matmul_params_per_token() == pytest.approx(released_active, rel=2e-3)
+    assert shape.active_params() - shape.matmul_params_per_token() == pytest.approx(201088 * 2880, rel=1e-4)
+
+
+# --------------------------------------------------------------------------- FlexAttention
+
+
+def _dense_reference(q, k, v, mask, sinks):
+    n_rep = q.shape[1] // k.shape[1]
+    return masked_attention_with_sinks(q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), mask, sinks)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_flex_attention_trains_on_cpu_like_the_dense_softmax(window, documents, with_sinks):
+    """Windows, documents and sinks alone and together: outputs and every gradient (sinks included) equal an explicit
+    mask with the sink as an extra softmax column."""
+    gen = torch.Generator().manual_seed(0)
+    b, s = 2, 40
+    q, k, v = (torch.randn(b, h, s, 16, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=gen, requires_grad=True) if with_sinks else None
+    document_ids = torch.tensor([[0] * 13 + [1] * 27, [0] * 30 + [1] * 10]) if documents else None
+    spec = MaskSpec(window=window)
+    ours = flex_attention(q, k, v, spec, document_ids, sinks)
+    mask = spec.dense(s, s, q.device)[None, None]
+    if documents:
+        mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+    reference = _dense_reference(q, k, v, mask, sinks)
+    assert (ours - reference).abs().max() <= 1e-5
+    inputs = [t for t in (q, k, v, sinks) if t is not None]
+    grad = torch.randn(ours.shape, generator=gen)
+    for a, b_ in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(reference, inputs, grad), strict=True):
+        assert (a - b_).abs().max() <= 1e-5
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+WINDOW = 16
+
+
+def hf_gpt_oss(tmp: Path, seed: int = 0, window: int = WINDOW, layer_types=LAYER_TYPES):
+    """A random GptOssForCausalLM saved with save_pretrained: windows of 16, YaRN over an original 64 tokens, every
+    sink, bias and norm scale random and a decisive router and head, so a misplaced tensor would show."""
+    config = transformers.GptOssConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=len(layer_types), num_attention_heads=8,
+        num_key_value_heads=4, head_dim=16, num_local_experts=8, num_experts_per_tok=4, sliding_window=window,
+        max_position_embeddings=256, layer_types=list(layer_types), attn_implementation="eager",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("router.weight"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("lm_head.weight"):  # logits of a few units: greedy choices are clear-cut
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(tmp)
+    return model
+
+
+TOKENS = torch.randint(0, 512, (2, 80), generator=torch.Generator().manual_seed(0))
+
+
+def test_hf_logits_export_and_round_trip(tmp_path: Path):
+    """80 tokens, windows of 16 on two of four layers, random sinks: logits equal transformers' within 1e-5, and the
+    window and the sinks both matter (changing either moves the logits far beyond that)."""
+    theirs = hf_gpt_oss(tmp_path / "hf")
+    ours = meshloom.from_hf(tmp_path / "hf")
+    assert ours.args.layer_types == tuple(LAYER_TYPES) and ours.args.sliding_window == WINDOW
+    with torch.no_grad():
+        expected = theirs(TOKENS).logits
+        logits = ours(TOKENS)
+        diff = (logits - expected).abs().max().item()
+        print(f"hf logits: max |diff| {diff:.2e} (logits up to {expected.abs().max().item():.1f})")
+        assert diff <= 1e-5
+        for block in ours.layers.values():
+            block.attention.sinks.add_(1.0)
+        assert (ours(TOKENS) - expected).abs().max() > 1e-2
+    wider = hf_gpt_oss(tmp_path / "wide", window=32)
+    with torch.no_grad():
+        assert (wider(TOKENS).logits - expected).abs().max() > 1e-2
+
+    # meshloom -> HF (from our own weights), read back by transformers.
+    ours = meshloom.from_hf(tmp_path / "hf")
+    write_hf_folder(ours.state_dict(), SPEC, ours.args, tmp_path / "exported", torch.float32)
+    reloaded = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (reloaded(TOKENS).logits - logits).abs().max().item() <= 1e-5
+
+    # HF -> meshloom checkpoint -> HF: the same tensors, bit for bit.
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    assert convert_main([str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    assert convert_main([str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "float32"]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(saved)
+    assert all(torch.equal(back[k], v) for k, v in saved.items())
+    assert HFFolder(tmp_path / "back").args == HFFolder(tmp_path / "hf").args
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "gpt_oss"
+
+
+def test_greedy_generation_past_the_window_matches_transformers(tmp_path: Path):
+    """64 new tokens after prompts of 5 to 12 (windows of 16, so most steps attend through the window), batched and
+    left-padded with the KV cache: the same tokens as transformers' greedy search."""
+    theirs = hf_gpt_oss(tmp_path)
+    ours = meshloom.from_hf(tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (12, 5)]
+    batched = generate(ours, prompts, 64)
+    for prompt, tokens in zip(prompts, batched.tokens, strict=True):
+        expected = theirs.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=64,
+            do_sample=False, pad_token_id=0,
+        )[0, len(prompt):].tolist()  # fmt: skip
+        assert len(tokens) == 64 and tokens == expected
+    uncached = generate(ours, prompts[:1], 24, use_cache=False)
+    assert uncached.tokens[0] == batched.tokens[0][:24]
+
+
+def test_quantised_release_folders_and_a_balancing_bias_are_refused(tmp_path: Path):
+    hf_gpt_oss(tmp_path / "hf", layer_types=LAYER_TYPES[:2])
+    model = meshloom.from_hf(tmp_path / "hf")
+    state = model.state_dict()
+    state["layers.1.moe.expert_bias"][3] = 0.01
+    with pytest.raises(ValueError, match=r"1 MoE layers \(first layers.1.moe.expert_bias\) route with a non-zero"):
+        write_hf_folder(state, SPEC, model.args, tmp_path / "out")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the weights are quantised \\(mxfp4\\)"):
+        HFFolder(tmp_path / "hf")
