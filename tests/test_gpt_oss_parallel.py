@@ -11,17 +11,20 @@ from meshloom.config.loader import load_config
 from meshloom.planning.run_plan import RunPlan
 from meshloom.testing.layout_parity import FP32_TOLERANCE, compare
 
-# FSDP 2, TP 2, PP 2 and EP 2 in one launch of 2 ranks; FSDP 2 x EP 2 (4 experts per rank, each stack FSDP-sharded
-# over 2) in one launch of 4. Bias balancing is on (the default rate) and the balance losses too.
-LAYOUTS = ["dp_shard=2", "tp=2", "pp=2", "dp_shard=2,ep=2", "dp_shard=4,ep=2"]
-COMMON = "model.name=gpt_oss,moe.aux_loss_coef=1e-2,moe.z_loss_coef=1e-3"
+# One launch of 2 ranks for FSDP 2, TP 2, PP 2, CP 2 (meshloom's ring, cut by the windows, with the sinks through its
+# log-sum-exp) and EP 2, one of 4 for FSDP 2 x EP 2 (4 experts per rank, each stack FSDP-sharded over 2). Bias
+# balancing is on (the default rate) and the router z-loss; the sequence-wise balance loss is refused under CP.
+CAUSAL = ["dp_shard=2", "tp=2", "pp=2", "cp=2", "dp_shard=2,ep=2", "dp_shard=4,ep=2"]
+# Document masks on top of the windows: TP, the ring on head-tail chunks, and on the document-aware layout.
+DOCUMENTS = ["tp=2", "cp=2", "cp=2,parallelism.cp_document_balance=true"]
+COMMON = "model.name=gpt_oss,moe.z_loss_coef=1e-3"
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 def test_every_layout_equals_one_process(tmp_path, documents):
     os.environ.pop("WORLD_SIZE", None)
     common = COMMON + (",data.document_mask=true" if documents else "")
-    reference, comparisons = compare(LAYOUTS if not documents else LAYOUTS[:2], steps=10, workdir=tmp_path, common=common)
+    reference, comparisons = compare(DOCUMENTS if documents else CAUSAL, steps=10, workdir=tmp_path, common=common)
     for c in comparisons:
         print(f"parity gpt_oss {c.layout.spec} documents={documents}: max |dloss| {c.max_loss_diff:.2e}, |dgrad_norm| {c.grad_norm_diff:.2e}")
         assert c.max_loss_diff <= FP32_TOLERANCE and c.grad_norm_diff <= FP32_TOLERANCE, (c.layout.spec, reference.losses, c.curve.losses)
@@ -32,7 +35,6 @@ def test_every_layout_equals_one_process(tmp_path, documents):
 @pytest.mark.parametrize(
     ("settings", "world", "message"),
     [
-        (["--parallelism.cp", "2"], 2, "ring attention computes causal and document masks, not gpt-oss's sliding windows"),
         (["--compile.enable", "true", "--training.device", "cpu"], 1, "compiles FlexAttention on CPU for inference only"),
         (["--parallelism.tp", "8"], 8, "parallelism.tp=8 does not divide the model's n_kv_heads=4"),
         (["--optimizer.qk_clip_threshold", "1.0"], 1, "q and k projections carry biases"),

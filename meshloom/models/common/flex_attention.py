@@ -156,3 +156,21 @@ def masked_attention_with_sinks(
     else:
         probs = F.softmax(scores, dim=-1)
     return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def flex_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention core of a model whose kernel is FlexAttention: causal, with a window, documents and sinks when
+    given. Context parallel swaps it for the ring (meshloom.parallel.context.RingAttentionCore), which takes the
+    same arguments."""
+    return flex_attention(q, k, v, MaskSpec(window=window), document_ids, sinks)
+
+
+# k and v arrive with their own (grouped) heads; FlexAttention reads query head i from kv head i // n_rep itself.
+flex_core.grouped_kv = True  # type: ignore[attr-defined]

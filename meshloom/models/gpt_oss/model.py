@@ -25,7 +25,7 @@ from torch import nn
 
 from meshloom.config.errors import UserError
 from meshloom.models.common.attention import rotate
-from meshloom.models.common.flex_attention import MaskSpec, flex_attention, masked_attention_with_sinks
+from meshloom.models.common.flex_attention import MaskSpec, flex_core, masked_attention_with_sinks
 from meshloom.models.common.init import init_embedding_and_output, trunc_normal_
 from meshloom.models.common.moe import MoEArgs
 from meshloom.models.common.norm import RMSNorm
@@ -89,19 +89,21 @@ class SinkAttention(nn.Module):
     (a sliding window when `window` is set).
 
     Under tensor parallel the heads are split, the sinks with them (a DTensor sharded on dim 0); the local heads
-    come from the tensor shapes. ``kv_cache`` (None while training) is set from outside while generating, as for the
+    come from the tensor shapes. ``core`` (FlexAttention) may be swapped from outside: context parallel puts its
+    ring there, which takes the same window and sinks. ``kv_cache`` (None while training) is set from outside while generating, as for the
     shared attention (meshloom.inference.kv_cache); the window is then applied to the cache's mask.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None):
         super().__init__()
         self.head_dim = head_dim
-        self.mask = MaskSpec(window=window)
+        self.window = window
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=True)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=True)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=True)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=True)
         self.sinks = nn.Parameter(torch.empty(n_heads))
+        self.core = flex_core
         self.kv_cache = None
 
     def forward(
@@ -115,11 +117,11 @@ class SinkAttention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         sinks = local_tensor(self.sinks)
         if self.kv_cache is None:
-            out = flex_attention(q, k, v, self.mask, document_ids, sinks)
+            out = self.core(q, k, v, document_ids, window=self.window, sinks=sinks)
         else:
             k, v, mask = self.kv_cache.update(k, v)
             # The cache's mask (causal, padding hidden) with the window on top; this step's queries are the last s keys.
-            mask = mask & self.mask.dense(s, k.shape[2], x.device, query_offset=k.shape[2] - s)
+            mask = mask & MaskSpec(window=self.window).dense(s, k.shape[2], x.device, query_offset=k.shape[2] - s)
             n_rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
             out = masked_attention_with_sinks(q, k, v, mask, sinks)

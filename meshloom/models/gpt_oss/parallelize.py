@@ -6,9 +6,9 @@ added once after the reduction); each head's sink logit goes with its head (shar
 mixture of experts: the router (weight and bias) and the routed experts are replicated over tp and see the whole
 sequence (meshloom/parallel/moe_tensor.py), or the experts are split over ep ranks by expert parallel.
 
-Context parallel is refused: meshloom's ring attention knows causal and document masks but neither windows nor
-sinks, and torch's FlexAttention context parallel is not wired in. Compile on CPU is refused too: torch 2.13
-compiles FlexAttention on CPU for inference only.
+Context parallel swaps every attention's FlexAttention core for meshloom's ring (meshloom/parallel/context.py),
+which cuts its blocks by the window as it does by documents and returns each row's log-sum-exp for the sinks.
+Compile on CPU is refused: torch 2.13 compiles FlexAttention on CPU for inference only.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ from meshloom.parallel.apply import BlockPlan, ParallelParts
 from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.moe_tensor import moe_block_plan
 
-CP_REFUSAL = (
-    "parallelism.cp > 1 with model.name = 'gpt_oss': meshloom's ring attention computes causal and document masks, "
-    "not gpt-oss's sliding windows and attention sinks; set parallelism.cp = 1"
-)
 CPU_COMPILE_REFUSAL = (
     "compile.enable on CPU with model.name = 'gpt_oss': torch 2.13 compiles FlexAttention on CPU for inference only "
     "(no backward), so training cannot be compiled there; set compile.enable = false on CPU, or train on CUDA"
@@ -42,11 +38,9 @@ def _on_cpu(config: Config) -> bool:
 
 
 def check_layout(args: GptOssArgs, config: Config, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; no context parallel; no compile
-    on CPU; Hugging Face exports need a model GptOssForCausalLM can represent."""
+    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; no compile on CPU; Hugging Face
+    exports need a model GptOssForCausalLM can represent."""
     check_divisible("tp", dims.tp, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size})
-    if dims.cp > 1:
-        raise ConfigError(CP_REFUSAL)
     if config.compile.enable and _on_cpu(config):
         raise ConfigError(CPU_COMPILE_REFUSAL)
     if config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
