@@ -177,3 +177,43 @@ def test_quantised_release_folders_and_a_balancing_bias_are_refused(tmp_path: Pa
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="the weights are quantised \\(mxfp4\\)"):
         HFFolder(tmp_path / "hf")
+
+
+# --------------------------------------------------------------------------- planning
+
+GIB = 2**30
+TRAIN = ["--training.seq_len", "4096", "--training.local_batch_size", "1", "--training.mixed_precision", "bf16",
+         "--activation_checkpoint.mode", "full", "--training.device", "cuda"]  # fmt: skip
+
+
+def _inference_weight_bytes(flavor: str) -> float:
+    """The released checkpoints' weights: expert stacks in MXFP4 (4-bit values plus one 8-bit scale per 32: 4.25
+    bits), everything else in bf16."""
+    shape = SPEC.shape_model(get_model_args("gpt_oss", flavor))
+    params = [p for layer in range(shape.n_layers) for p in shape.block_params(layer)] + shape.root_params(True, True)
+    return sum(p.numel * (4.25 / 8 if p.expert else 2) for p in params)
+
+
+@pytest.mark.parametrize(("flavor", "world", "layout", "params_gib"), [("120B", 8, ["--parallelism.dp_shard", "8", "--parallelism.ep", "8"], 54.4), ("20B", 1, [], 77.9)])
+def test_dry_runs_against_the_published_single_gpu_fit(flavor, world, layout, params_gib):
+    """OpenAI runs 120B on one 80 GB GPU and 20B in 16 GB: inference, experts in MXFP4 (about 61 GiB and 13 GiB of
+    weights). Training keeps fp32 weights, fp32 gradients and two AdamW moments, 16 bytes per parameter: 120B over
+    8 x 80 GiB holds 54.4 GiB of weights per rank and peaks far above 80 GiB, as does 20B on one GPU. The planner
+    says so with the smallest peak, and finds the layouts that do fit (120B on 32 GPUs, 20B on 8)."""
+    from meshloom.config.errors import UserError
+    from meshloom.config.loader import load_config
+    from meshloom.planning.dry_run import dry_run
+    from meshloom.planning.planner import plan
+    from meshloom.planning.step_time import Cluster
+
+    assert _inference_weight_bytes(flavor) / GIB < {"120B": 80, "20B": 16 * 1e9 / GIB}[flavor]
+    report = dry_run(load_config(["--model.name", "gpt_oss", "--model.flavor", flavor, *TRAIN, *layout]), world)
+    print(report.format())
+    assert report.built_param_bytes == report.rank_params
+    assert report.rank_params / GIB == pytest.approx(params_gib, rel=2e-3)
+    assert report.memory.optimizer == 2 * report.rank_params and report.memory.peak > 2.5 * 80 * GIB
+    with pytest.raises(UserError, match=f"the {flavor} model does not fit on {world} x 80 GiB under any layout"):
+        plan(flavor, Cluster(world, world, 80), 4096, 8, model="gpt_oss")
+    gpus = {"120B": 32, "20B": 8}[flavor]
+    best = plan(flavor, Cluster(gpus, 8, 80), 4096, gpus, model="gpt_oss")[0]
+    assert best.memory.peak <= 0.9 * 80 * GIB
