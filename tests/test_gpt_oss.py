@@ -73,6 +73,30 @@ def test_flex_attention_trains_on_cpu_like_the_dense_softmax(window, documents, 
         assert (a - b_).abs().max() <= 1e-5
 
 
+@pytest.mark.cuda
+def test_compiled_flex_attention_on_cuda_trains_like_eager():
+    """CUDA: the blocks compiled (FlexAttention fused by inductor, windows, documents and sinks in play) give the
+    logits and gradients of the eager model."""
+    args = get_model_args("gpt_oss", "tiny")
+    torch.manual_seed(0)
+    eager = SPEC.model_cls(args).cuda()
+    with torch.no_grad():
+        for block in eager.layers.values():
+            block.attention.sinks.normal_(0.0, 1.0)
+    compiled = SPEC.model_cls(args).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.layers.values():
+        block.compile(fullgraph=True)
+    tokens = torch.randint(0, 512, (2, 128), device="cuda")
+    documents = torch.cat([torch.zeros(2, 50), torch.ones(2, 78)], dim=1).long().cuda()
+    losses = [model(tokens, document_ids=documents).logsumexp(-1).mean() for model in (eager, compiled)]
+    assert (losses[0] - losses[1]).abs() <= 1e-4
+    for loss in losses:
+        loss.backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert (a.grad - b.grad).abs().max() <= 1e-4, name
+
+
 # --------------------------------------------------------------------------- Hugging Face
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]

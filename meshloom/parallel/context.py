@@ -11,7 +11,9 @@ are merged exactly with log-sum-exp arithmetic. The next block is already in fli
 computed. Backward runs the same ring: key/value shards travel again, and their gradient accumulators follow
 one hop behind, arriving back at their owner after the last step. Blocks that the causal mask hides entirely
 are skipped, which is where load balancing pays. With document ids (a block-diagonal causal mask) each block is
-also cut to the queries and keys that share a document, or skipped when none do (see ring_blocks.py).
+also cut to the queries and keys that share a document, or skipped when none do (see ring_blocks.py). A sliding
+window cuts blocks the same way. Attention sinks (one extra softmax logit per head, without a value) are applied
+after the merge from each row's log-sum-exp, which the ring returns with its gradient.
 
 Everything is public torch ops (matmul, logsumexp, batch_isend_irecv), so it runs on CPU (gloo) and CUDA
 (NCCL) alike; partial results are kept in float32 whatever the input dtype.
