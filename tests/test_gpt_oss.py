@@ -41,6 +41,18 @@ def test_published_sizes(flavor, total, released_active):
     assert shape.active_params() - shape.matmul_params_per_token() == pytest.approx(201088 * 2880, rel=1e-4)
 
 
+def test_muon_leaves_the_expert_biases_and_the_sinks_to_adamw():
+    """The expert biases are 2-D ([experts, width]) but hold one vector per expert: Muon must not orthogonalise them."""
+    from meshloom.train.muon import parameter_kinds
+
+    with torch.device("meta"):
+        model = SPEC.model_cls(get_model_args("gpt_oss", "tiny"))
+    kinds = parameter_kinds(model, SPEC.adamw_only)
+    assert kinds["layers.0.moe.experts.w13"] == kinds["layers.0.attention.wq.weight"] == "muon"
+    for name in ("moe.experts.b13", "moe.experts.b2", "moe.router.weight", "moe.router.bias", "attention.sinks"):
+        assert kinds[f"layers.1.{name}"] == "adamw", name
+
+
 # --------------------------------------------------------------------------- FlexAttention
 
 
@@ -95,6 +107,28 @@ def test_compiled_flex_attention_on_cuda_trains_like_eager():
         loss.backward()
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         assert (a.grad - b.grad).abs().max() <= 1e-4, name
+
+
+def test_the_ring_skips_key_chunks_behind_the_window():
+    """Context parallel: rank 1 of 2 holds head-tail chunks 1 and 2 of 4 (16 tokens each). Under a window of 16,
+    chunk 0 (on rank 0) is wholly behind chunk 2's window and only its last 15 keys reach chunk 1's first 15 queries; chunk 2 sees the
+    band of chunk 1 and its own diagonal."""
+    from meshloom.parallel.ring_blocks import RingBlocks
+    from meshloom.parallel.sequence_layout import SequenceLayout
+
+    layout = SequenceLayout(2)
+    blocks = RingBlocks(layout, 1, 32, None, window=16)
+    # Rank 0's chunks 0 and 3: queries 16..30 of chunk 1 on keys 1..15 of chunk 0 (query 31 is 16 past key 15).
+    (from_rank0,) = blocks(0)
+    assert (from_rank0.rows, from_rank0.keys, from_rank0.causal) == (slice(0, 15), slice(1, 16), False)
+    assert len(RingBlocks(layout, 1, 32, None)(0)) == 2  # without the window chunk 0 is visible to both
+    own = blocks(1)  # chunk 1 on itself, chunk 2 on chunk 1 (band), chunk 2 on itself
+    assert [(b.rows, b.keys, b.causal) for b in own] == [
+        (slice(0, 16), slice(0, 16), True), (slice(16, 31), slice(1, 16), False), (slice(16, 32), slice(16, 32), True)
+    ]  # fmt: skip
+    # Query at position 32 + i sees key 17 + j when they are less than 16 apart.
+    i, j = torch.arange(15)[:, None], torch.arange(15)[None, :]
+    assert torch.equal(own[1].mask[0], (32 + i) - (17 + j) < 16)
 
 
 # --------------------------------------------------------------------------- Hugging Face

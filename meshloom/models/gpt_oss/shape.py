@@ -30,8 +30,8 @@ class GptOssShape(ShapeModel):
             ParamShape((a.n_heads,), 0),
             ParamShape((d,)),
             ParamShape((e, d), adamw=True), ParamShape((e,)),
-            ParamShape((e, 2 * h, d), expert=True), ParamShape((e, 2 * h), expert=True),
-            ParamShape((e, d, h), expert=True), ParamShape((e, d), expert=True),
+            ParamShape((e, 2 * h, d), expert=True), ParamShape((e, 2 * h), expert=True, adamw=True),
+            ParamShape((e, d, h), expert=True), ParamShape((e, d), expert=True, adamw=True),
         ]  # fmt: skip
 
     def routed_activation_bytes_per_token(self, act_bytes: int) -> float:
