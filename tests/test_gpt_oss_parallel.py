@@ -11,13 +11,15 @@ from meshloom.config.loader import load_config
 from meshloom.planning.run_plan import RunPlan
 from meshloom.testing.layout_parity import FP32_TOLERANCE, compare
 
-# One launch of 2 ranks for FSDP 2, TP 2, PP 2, CP 2 (meshloom's ring, cut by the windows, with the sinks through its
-# log-sum-exp), EP 2, and activation checkpointing under FSDP and TP; one of 4 for FSDP 2 x EP 2 (4 experts per
-# rank, each stack FSDP-sharded over 2). Bias balancing is on (the default rate) and the router z-loss; the
-# sequence-wise balance loss is refused under CP.
+# One launch of 2 ranks for FSDP 2, TP 2, PP 2 (2 microbatches), CP 2 (meshloom's ring, cut by the windows, with
+# the sinks through its log-sum-exp), EP 2, and activation checkpointing under FSDP and TP; one of 4 for FSDP 2 x EP 2
+# (4 experts per rank, each stack FSDP-sharded over 2), FSDP 2 x TP 2 (the sinks sharded on both meshes), HSDP 2 x 2
+# and CP 2 x TP 2. Bias balancing is on (the default rate) and the router z-loss; the sequence-wise balance loss is
+# refused under CP.
 CAUSAL = [
-    "dp_shard=2", "tp=2", "pp=2", "cp=2", "dp_shard=2,ep=2", "dp_shard=4,ep=2",
+    "dp_shard=2", "tp=2", "pp=2,pipeline.microbatches=2", "cp=2", "dp_shard=2,ep=2",
     "dp_shard=2,activation_checkpoint.mode=full", "tp=2,activation_checkpoint.mode=selective_op",
+    "dp_shard=4,ep=2", "dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "cp=2,tp=2",
 ]  # fmt: skip
 # Document masks on top of the windows: TP, the ring on head-tail chunks, and on the document-aware layout.
 DOCUMENTS = ["tp=2", "cp=2", "cp=2,parallelism.cp_document_balance=true"]
