@@ -37,12 +37,10 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """Which keys a query sees, beyond "itself and earlier keys".
-
-    window: a query at position i sees keys at positions j with i - j < window (None: every earlier key), as
-    Hugging Face's sliding-window layers count it; documents: a query sees only keys of its own document
-    (the model passes the document ids with each batch).
-    """
+    """Which keys a query sees, beyond "itself and earlier keys": with `window`, a query at position i sees keys at
+    positions j with i - j < window (None: every earlier key), as Hugging Face's sliding-window layers count it.
+    Document ids, which change with every batch, are given to `mask_mod` (a query then also sees only keys of its
+    own document)."""
 
     window: int | None = None
 
@@ -72,25 +70,26 @@ class MaskSpec:
 
 
 def _block_mask(spec: MaskSpec, document_ids: torch.Tensor | None, b: int, s: int, device: torch.device) -> flex.BlockMask:
+    # Without documents the mask is the same for every sequence: one block mask broadcast over the batch.
     batch = b if document_ids is not None else None
     return flex.create_block_mask(spec.mask_mod(document_ids), batch, None, s, s, device=device)
 
 
 class _BlockMasks:
     """The block mask of the latest batch per MaskSpec: every layer of a forward with the same spec and document ids
-    shares one (a model alternates between two specs at most)."""
+    shares one (a model alternates between two specs at most). The ids tensor itself is kept and compared by
+    identity, as the batch's tensor passes unchanged through every layer."""
 
     def __init__(self) -> None:
-        self._cache: dict[MaskSpec, tuple[tuple, flex.BlockMask]] = {}
+        self._cache: dict[MaskSpec, tuple[torch.Tensor | None, tuple, flex.BlockMask]] = {}
 
     def get(self, spec: MaskSpec, document_ids: torch.Tensor | None, b: int, s: int, device: torch.device) -> flex.BlockMask:
-        key = (id(document_ids) if document_ids is not None else None, b, s, device)
+        shape = (b, s, device)
         hit = self._cache.get(spec)
-        # The document ids tensor itself is kept (not only its id), so a freed tensor's id cannot be reused by mistake.
-        if hit is not None and hit[0][0] == key and hit[0][1] is document_ids:
-            return hit[1]
-        mask = _block_mask(spec, document_ids, b if document_ids is not None else 1, s, device)
-        self._cache[spec] = ((key, document_ids), mask)
+        if hit is not None and hit[0] is document_ids and hit[1] == shape:
+            return hit[2]
+        mask = _block_mask(spec, document_ids, b, s, device)
+        self._cache[spec] = (document_ids, shape, mask)
         return mask
 
 
