@@ -3,7 +3,8 @@
 What sets it apart from the other families:
 
 * attention layers alternate between a sliding window (a query sees its last `sliding_window` keys) and full causal
-  attention, both through FlexAttention (``meshloom.models.common.flex_attention``), never SDPA;
+  attention, both through FlexAttention (``meshloom.models.common.flex_attention``); decoding with a KV cache uses
+  the same window as an explicit mask;
 * every head has one learned sink logit that joins its softmax as a key without a value;
 * q, k, v and the output projection have biases; grouped-query attention; YaRN RoPE (channel i paired with
   i + head_dim/2, the cos/sin tables carrying YaRN's attention factor);
@@ -90,8 +91,9 @@ class SinkAttention(nn.Module):
 
     Under tensor parallel the heads are split, the sinks with them (a DTensor sharded on dim 0); the local heads
     come from the tensor shapes. ``core`` (FlexAttention) may be swapped from outside: context parallel puts its
-    ring there, which takes the same window and sinks. ``kv_cache`` (None while training) is set from outside while generating, as for the
-    shared attention (meshloom.inference.kv_cache); the window is then applied to the cache's mask.
+    ring there, which takes the same window and sinks. ``kv_cache`` (None while training) is set from outside while
+    generating, as for the shared attention (meshloom.inference.kv_cache); the window is then applied to the cache's
+    mask (the cache itself keeps every position).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None):
