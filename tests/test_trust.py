@@ -173,7 +173,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-onl
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["train", "{tiny}", "--model.name", "llamaa"], "unknown model.name 'llamaa'; choices: deepseek_v3, llama3, qwen3"),
+        (["train", "{tiny}", "--model.name", "llamaa"], "unknown model.name 'llamaa'; choices: deepseek_v3, gpt_oss, llama3, qwen3"),
         (["train", "{tiny}", "--model.flavor", "tinyy"], "unknown model.flavor 'tinyy' for model.name 'llama3'"),
         (["train", "{tiny}", "--model.flavor", "tinyy", "--dry-run", "--world-size", "2"], "unknown model.flavor 'tinyy'"),
         (["seed-checkpoint", "{tiny}", "--model.flavor", "tinyy", "--job.dump_folder", "{tmp}/seed"], "unknown model.flavor 'tinyy'"),

@@ -11,7 +11,9 @@ are merged exactly with log-sum-exp arithmetic. The next block is already in fli
 computed. Backward runs the same ring: key/value shards travel again, and their gradient accumulators follow
 one hop behind, arriving back at their owner after the last step. Blocks that the causal mask hides entirely
 are skipped, which is where load balancing pays. With document ids (a block-diagonal causal mask) each block is
-also cut to the queries and keys that share a document, or skipped when none do (see ring_blocks.py).
+also cut to the queries and keys that share a document, or skipped when none do (see ring_blocks.py). A sliding
+window cuts blocks the same way. Attention sinks (one extra softmax logit per head, without a value) are applied
+after the merge from each row's log-sum-exp, which the ring returns with its gradient.
 
 Everything is public torch ops (matmul, logsumexp, batch_isend_irecv), so it runs on CPU (gloo) and CUDA
 (NCCL) alike; partial results are kept in float32 whatever the input dtype.
@@ -217,11 +219,17 @@ def _ring_forward(q, k, v, ring: Ring, blocks: RingBlocks, scale: float) -> tupl
     return out.to(q.dtype), lse
 
 
-def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, blocks: RingBlocks, scale: float):
-    """(dq, dk, dv) of this rank's shard; each key/value block's gradient comes home from the ranks it visited."""
+def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, blocks: RingBlocks, scale: float, grad_lse=None):
+    """(dq, dk, dv) of this rank's shard; each key/value block's gradient comes home from the ranks it visited.
+
+    `grad_lse`: the gradient of the returned log-sum-exp (attention sinks use it). d lse / d score = the softmax
+    probability, so it adds grad_lse * p to each score's gradient p * (dO.v - delta): the same formula with delta
+    lowered by grad_lse."""
     k_dim, n_rep = k.shape[-1], q.shape[1] // k.shape[1]
     q32, grad32 = q.float(), grad_out.float()
     delta = (grad32 * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
     dq = torch.zeros_like(q32)
     kv = _pack(k, v)
     grad_in_flight: _InFlight | None = None
@@ -254,19 +262,21 @@ def _ring_backward(q, k, v, out, lse, grad_out, ring: Ring, blocks: RingBlocks, 
 class _RingAttention(torch.autograd.Function):
     # Autocast is off inside: the partial results must stay float32 whatever the surrounding region asks for.
 
+    # Returns (output, float32 log-sum-exp); the log-sum-exp may take part in the loss (attention sinks).
+
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, blocks: RingBlocks, scale: float):
         with torch.autocast(q.device.type, enabled=False):
             out, lse = _ring_forward(q, k, v, ring, blocks, scale)
         ctx.ring, ctx.blocks, ctx.scale = ring, blocks, scale
         ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, ctx.ring, ctx.blocks, ctx.scale)
+            dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, ctx.ring, ctx.blocks, ctx.scale, grad_lse)
         return dq, dk, dv, None, None, None
 
 
@@ -301,7 +311,7 @@ def ring_attention(
     if blocks is None:
         documents = None if document_ids is None else gather_documents(document_ids, ring.group)
         blocks = RingBlocks(layout, ring.rank, q.shape[2], documents)
-    return _RingAttention.apply(q, k, v, ring, blocks, scale)
+    return _RingAttention.apply(q, k, v, ring, blocks, scale)[0]
 
 
 class RingAttentionCore:
@@ -316,12 +326,29 @@ class RingAttentionCore:
         self.blocks = BlockCache(group)
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """document_ids [b, shard_len]: this rank's shard of the batch's ids (a block-diagonal causal mask)."""
+        """document_ids [b, shard_len]: this rank's shard of the batch's ids (a block-diagonal causal mask); window:
+        a query sees only its last `window` keys; sinks [heads]: one more softmax logit per head, without a value."""
         layout = self.layout.resolve()
-        blocks = self.blocks.get(layout, q.shape[2], document_ids) if self.ring.size > 1 else None
-        return ring_attention(q, k, v, self.ring, layout, document_ids=document_ids, blocks=blocks)
+        if window is None and sinks is None:
+            blocks = self.blocks.get(layout, q.shape[2], document_ids) if self.ring.size > 1 else None
+            return ring_attention(q, k, v, self.ring, layout, document_ids=document_ids, blocks=blocks)
+        if q.shape[2] % layout.chunks_per_rank:
+            raise ValueError(f"shard length {q.shape[2]} is not divisible by {layout.chunks_per_rank} chunks per rank")
+        blocks = self.blocks.get(layout, q.shape[2], document_ids, window, q.device)
+        out, lse = _RingAttention.apply(q, k, v, self.ring, blocks, 1.0 / math.sqrt(q.shape[-1]))
+        if sinks is None:
+            return out
+        # The sink joins each row's softmax: the keys' weights shrink by exp(lse) / (exp(lse) + exp(sink)).
+        keep = torch.sigmoid(lse - sinks.float()[None, :, None])
+        return (out.float() * keep[..., None]).to(q.dtype)
 
     @torch.no_grad()
     def whole_sequence_keys(

@@ -1,0 +1,82 @@
+"""gpt-oss's parallel parts: what its shapes and kernel require of the degrees, and its blocks' tensor-parallel plans.
+
+The order in which parallelism is applied lives once, in meshloom/parallel/apply.py. Tensor parallel splits the
+heads as for the other families (q, k, v by column with their biases; the output projection by row, its bias
+added once after the reduction); each head's sink logit goes with its head (sharded on dim 0). Every block is a
+mixture of experts: the router (weight and bias) and the routed experts are replicated over tp and see the whole
+sequence (meshloom/parallel/moe_tensor.py), or the experts are split over ep ranks by expert parallel.
+
+Context parallel swaps every attention's FlexAttention core for meshloom's ring (meshloom/parallel/context.py),
+which cuts its blocks by the window as it does by documents and returns each row's log-sum-exp for the sinks.
+Compile on CPU is refused: torch 2.13 compiles FlexAttention on CPU for inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from meshloom.config.errors import ConfigError
+from meshloom.config.schema import Config
+from meshloom.models.common.tensor_plans import attention_plan
+from meshloom.models.gpt_oss.model import GptOss, GptOssArgs
+from meshloom.parallel.apply import BlockPlan, ParallelParts
+from meshloom.parallel.dims import ParallelDims, check_divisible
+from meshloom.parallel.moe_tensor import moe_block_plan
+
+CPU_COMPILE_REFUSAL = (
+    "compile.enable on CPU with model.name = 'gpt_oss': torch 2.13 compiles FlexAttention on CPU for inference only "
+    "(no backward), so training cannot be compiled there; set compile.enable = false on CPU, or train on CUDA"
+)
+
+
+def _on_cpu(config: Config) -> bool:
+    device = config.training.device
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def check_layout(args: GptOssArgs, config: Config, dims: ParallelDims) -> None:
+    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; no compile on CPU; Hugging Face
+    exports need a model GptOssForCausalLM can represent."""
+    check_divisible("tp", dims.tp, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size})
+    if config.compile.enable and _on_cpu(config):
+        raise ConfigError(CPU_COMPILE_REFUSAL)
+    if config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
+        raise ConfigError(
+            "checkpoint.hf_export_interval with moe.bias_update_rate > 0: Hugging Face gpt-oss has no place for the "
+            "balancing bias, so the exports would route tokens differently; set moe.bias_update_rate = 0 or "
+            "checkpoint.hf_export_interval = 0"
+        )
+
+
+class ShardHeads(ParallelStyle):
+    """The module's per-head parameter `name` (one value per query head) becomes a DTensor sharded on dim 0 over tp,
+    so each rank holds the values of its own heads."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        param = getattr(module, self.name)
+        sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter(self.name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        return module
+
+
+def block_tp_plan(block: nn.Module, replicate_experts: bool) -> BlockPlan:
+    plan = attention_plan()
+    plan.update(moe_block_plan(block.moe, replicate_experts))
+    # Applied after the first plan: "attention" already holds its input hook there.
+    return [plan, {"attention": ShardHeads("sinks")}]
+
+
+def moe_layers(model: GptOss) -> list[nn.Module]:
+    return [block.moe for block in model.layers.values()]
+
+
+PARALLEL = ParallelParts(
+    block_tp_plan=block_tp_plan, embedding="tok_embeddings", final_norm="norm", output="output", moe_layers=moe_layers
+)
