@@ -1,15 +1,16 @@
 """The pairwise matrix (meshloom/testing/matrix.py): every pair of values of its ten axes is in a cell that trains and
 matches its reference, or the declaration (meshloom/planning/features.py) refuses that pair with one line.
 
-Each training cell runs the tiny fp32 run of the parity harness for matrix.STEPS = 6 steps, and its losses must equal
-its reference's within the harness's tolerance (fp32: 1e-5; a cell with Float8 in it trains in bf16 and takes the
-Float8 bound, as its reference does too):
+Each training cell runs the tiny fp32 run of the parity harness for matrix.STEPS = 4 steps (two of warm-up, two of
+decay; a wrong layout shows from its second step), and its losses must equal its reference's within the harness's
+tolerance (fp32: 1e-5; a cell with Float8 in it trains in bf16 on sequences of 32 tokens and takes the Float8 bound, as
+its reference does too):
 - a synchronous layout: one process with the same settings;
 - replica groups (2 groups, each the cell's layout): the same one process; the groups average gradients every step, as
   HSDP over the groups would, and HSDP equals one process within 1e-5 (tests/test_parity.py);
-- DiLoCo and LocalSGD (a sync every 3 steps): the two groups end with bit-equal weights, and the last loss within 10%
+- DiLoCo and LocalSGD (a sync every 2 steps): the two groups end with bit-equal weights, and the last loss within 10%
   of one process's (each group steps alone between syncs, so no run of one process is the same computation);
-- a kill (the job stops right after its step-3 checkpoint, as a SIGKILL after a save would leave it) and the restart,
+- a kill (the job stops right after its step-2 checkpoint, as a SIGKILL after a save would leave it) and the restart,
   or the resume under another layout of the same data-parallel degree: the same run without the stop, which is the
   one-process reference's (within 1e-5).
 """

@@ -1,11 +1,10 @@
-"""Muon through the real Trainer: loss parity of every layout with one process, QK-clip on and off, bitwise resume
-and resharding, and the memory estimate of Muon's state against the real optimizer's.
+"""Muon through the real Trainer: QK-clip on and off under every layout, bitwise resume and resharding, and the memory
+estimate of Muon's state against the real optimizer's. (Muon's loss parity under each layout, dense and MoE, is the
+pairwise matrix's: tests/test_matrix.py.)
 
 All runs are fp32 training of the `tiny` model (the parity harness's settings) with optimizer.name = Muon. The layouts
-of one world size share one launch (testing/ranks.py): 2 ranks (parity and QK-clip cases), 4 ranks, and 2 ranks for
-the resume cases. The mixture-of-experts cases (Qwen3 `tiny_moe`: 2 blocks, dim 64, 8 experts of which each token takes 2, bias
-balancing and both balance losses on) run FSDP 2 and EP 2 inside the 2-rank parity launch, against their own
-1-process reference, with the default Newton-Schulz dtype (optimizer.muon_ns_dtype = "auto": fp32 on CPU; see MOE).
+of one world size share one launch (testing/ranks.py): 2 ranks (QK-clip cases), 4 ranks, and 2 ranks for the resume
+cases.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import estimate_memory
 from meshloom.planning.run_plan import RunPlan
 from meshloom.testing.layout_parity import (
-    FP32_TOLERANCE, Curve, ParityCase, base_overrides, clip_mismatches, launch as launch_layouts, run_steps,
+    FP32_TOLERANCE, ParityCase, base_overrides, clip_mismatches,
 )  # fmt: skip
 from meshloom.testing.ranks import run_ranks
 from meshloom.testing.resume_parity import Case, launch, run_case
@@ -38,13 +37,6 @@ from meshloom.train.qk_clip import QKClip
 from meshloom.train.trainer import Trainer
 
 
-MUON = "optimizer.name=Muon"
-MUON_LAYOUTS = ["dp_shard=2", "tp=2", "pp=2", "dp_replicate=2,dp_shard=2", "dp_shard=2,tp=2"]
-# bf16 Newton-Schulz turns the last-bit gradient differences of a layout into rounding flips of the update; on this MoE
-# model (bias balancing only) the loss drifts from step 3 to 1.5e-5 (FSDP 2) and 6.9e-5 (EP 2) by step 10, above the
-# 1e-5 bound. The default ("auto") runs it in fp32 on CPU, where both stay within 4.8e-7 of one process.
-MOE = "model.name=qwen3,model.flavor=tiny_moe,moe.aux_loss_coef=1e-2,moe.z_loss_coef=1e-3"
-MOE_LAYOUTS = [f"dp_shard=2,{MOE}", f"dp_shard=2,ep=2,{MOE}"]
 # Newton-Schulz rounds every update to bf16, so the last-bit gradient differences between layouts come back as rounding
 # flips; at the harness's learning rate (1e-2) Muon's curves already sit within 0.3-0.9 of the fp32 tolerance, so the
 # QK-clip runs use half of it. Their tau clips most of the tiny model's 16 heads at every step (its largest logits
@@ -92,27 +84,6 @@ def _clip_worker(cases_file: Path, out_file: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory) -> tuple[Curve, Curve, dict[str, Curve]]:
-    """The dense and the MoE 1-process references, then every layout: one launch per world size (the MoE layouts
-    join the dense ones in the 2-rank launch)."""
-    workdir = tmp_path_factory.mktemp("muon_parity")
-    os.environ.pop("WORLD_SIZE", None)
-    common = ParityCase.parse(MUON).setting_args()
-
-    def one_process(name: str, settings: str) -> Curve:
-        return run_steps(base_overrides(STEPS, workdir) + ParityCase.parse(settings).setting_args()
-                         + ["--job.dump_folder", str(workdir / name)])  # fmt: skip
-
-    reference, moe_reference = one_process("reference", MUON), one_process("moe_reference", f"{MUON},{MOE}")
-    curves = launch_layouts([ParityCase.parse(s) for s in MUON_LAYOUTS + MOE_LAYOUTS], STEPS, workdir, common)
-    for spec, curve in curves.items():
-        ref = moe_reference if spec in MOE_LAYOUTS else reference
-        print(f"Muon {spec[:40]:<40} max |dloss| {_max_diff(curve.losses, ref.losses):.2e}  "
-              f"|dgrad_norm| {abs(curve.grad_norms[-1] - ref.grad_norms[-1]):.2e}")  # fmt: skip
-    return reference, moe_reference, curves
-
-
-@pytest.fixture(scope="module")
 def clip_runs(tmp_path_factory):
     """The QK-clip references (on and off) in this process, then the clipped layouts, one launch per world size."""
     workdir = tmp_path_factory.mktemp("muon_clip")
@@ -131,23 +102,6 @@ def clip_runs(tmp_path_factory):
         print(f"QK-clip {layout:<10} max |dloss| {_max_diff(curve['losses'], reference['losses']):.2e} "
               f"clipped heads {curve['clipped_heads']} (1 process: {reference['clipped_heads']})")
     return reference, trainer, curves, no_clip
-
-
-@pytest.mark.parametrize("spec", MUON_LAYOUTS + MOE_LAYOUTS, ids=MUON_LAYOUTS + ["moe-dp_shard=2", "moe-dp_shard=2,ep=2"])
-def test_muon_layout_matches_one_process(parity, spec):
-    dense, moe, curves = parity
-    reference, curve = (moe if spec in MOE_LAYOUTS else dense), curves[spec]
-    assert len(curve.losses) == STEPS
-    assert _max_diff(curve.losses, reference.losses) <= FP32_TOLERANCE, (spec, reference.losses, curve.losses)
-    assert abs(curve.grad_norms[-1] - reference.grad_norms[-1]) <= FP32_TOLERANCE
-    for name, values in reference.aux.items():  # losses the model reports itself, if any
-        assert _max_diff(curve.aux[name], values) <= FP32_TOLERANCE, name
-
-
-def test_muon_reference_learns(parity):
-    dense, moe, _ = parity
-    assert dense.losses[-1] < dense.losses[0] - 0.3
-    assert moe.losses[-1] < moe.losses[0] - 0.3
 
 
 def test_moe_experts_are_muon_matrices_and_the_router_stays_on_adamw():

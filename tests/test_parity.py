@@ -14,16 +14,14 @@ import pytest
 from meshloom.testing.layout_parity import BF16_TOLERANCE, FP32_TOLERANCE, compare, plot
 from meshloom.testing.ranks import RanksFailed, run_ranks
 
+# FSDP 2, TP 2 and HSDP 2 x 2 on their own are cells of the pairwise matrix (tests/test_matrix.py).
 LAYOUTS = [
-    "dp_shard=2",
-    "tp=2",
     "tp=2,loss_parallel=false",  # the output gathered, plain cross-entropy
     "dp_replicate=2",  # pure replication (HSDP with shards of 1)
     "dp_shard=2,mixed_precision=bf16",
     "dp_shard=2,fsdp_reduce_dtype=bfloat16",  # fp32 compute, gradients reduce-scattered in bf16
     "tp=2,mixed_precision=bf16",  # bf16 autocast under TP (no FSDP)
     "dp_shard=4",
-    "dp_replicate=2,dp_shard=2",
     "tp=4",
     "dp_shard=2,tp=2",
     "dp_shard=4,fsdp_cpu_offload=true",

@@ -433,9 +433,9 @@ def test_more_mistakes_are_one_line(tmp_path: Path, data_cache: Path, monkeypatc
     run = ["--job.dump_folder", str(tmp_path / "run")]
     launch = ["launch", "--config", str(recipe), "--nodes", "1", "--gpus-per-node", "1"]
     cases = [
-        (["train", *tiny(data_cache), *run, "--fault_tolerance.enable", "true"], "each replica group runs under torchrun, which sets MASTER_ADDR"),
+        (["train", *tiny(data_cache), *run, "--fault_tolerance.enable", "true"], "fault_tolerance.lighthouse is empty and TORCHFT_LIGHTHOUSE is not set"),
         (["train", *tiny(data_cache), *run, "--data.dataset", "streaming", "--data.stream", str(empty)], f"data.stream: {empty} is empty (0 bytes)"),
-        (["train", *tiny(data_cache), *run, "--data.stream", str(empty)], "has no effect with data.dataset = 'builtin'"),
+        (["train", *tiny(data_cache), *run, "--data.stream", str(empty)], "has no effect: it acts only when data.dataset = 'streaming'"),
         (["plan", "--flavor", "8B", "--gpus", "8", "--global-batch", "8", "--peak-tflops", "-1"], "--peak-tflops must be positive, got -1.0"),
         (["plan", "--flavor", "8B", "--gpus", "8", "--global-batch", "8", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be positive"),
         ([launch[0], "slurm", *launch[1:], "--image", "reg/meshloom:1"], "--image is an option of meshloom launch k8s only; launch slurm"),

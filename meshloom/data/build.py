@@ -68,11 +68,6 @@ def check_data_config(config: DataConfig) -> None:
         )
     if config.path and not Path(config.path).is_dir():
         raise ConfigError(f"data.path: folder {config.path} not found; give a folder of text files, or leave it empty for the built-in corpus")
-    if config.stream and config.dataset != "streaming":
-        raise ConfigError(
-            f'data.stream = {config.stream!r} has no effect with data.dataset = {config.dataset!r}; set '
-            'data.dataset = "streaming" to train on it, or drop data.stream'
-        )
     if config.dataset == "shards":
         check_shard_folders(config.shards)
     if config.dataset == "streaming":

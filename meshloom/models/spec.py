@@ -59,6 +59,9 @@ class ModelSpec:
     # (why the family's attention cannot be clipped per head) in the error.
     qk_clip: Callable[[nn.Module], list[ClipTarget]] | None = None
     qk_clip_refusal: str = ""
+    # The attention kernel the family's layers run: "sdpa", or "flex" (FlexAttention: windows, sinks), whose
+    # constraints (meshloom/planning/features.py) apply to the family.
+    attention_kernel: str = "sdpa"
 
     @property
     def args_cls(self) -> type:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.parallel.dims import ParallelDims
@@ -28,6 +30,14 @@ class Facts:
     config: Config
     dims: ParallelDims
     n_experts: int
+    attention_kernel: str = "sdpa"
+    """The family's attention kernel (ModelSpec.attention_kernel)."""
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the run trains on CPU (training.device, "auto" on a machine without CUDA)."""
+        device = self.config.training.device
+        return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 Condition = Callable[[Facts], bool]
@@ -158,6 +168,9 @@ _DEFINED = [
         "ac_memory_budget", "AC memory budget", "activation_checkpoint.mode = 'memory_budget'",
         lambda f: f.config.activation_checkpoint.mode == "memory_budget", ("--activation_checkpoint.mode", "memory_budget"),
     ),
+    Feature(
+        "flex_attention", "FlexAttention", "{model}", lambda f: f.attention_kernel == "flex", ("--model.name", "gpt_oss"),
+    ),
     Feature("dense", "a dense model", "{model}", lambda f: f.n_experts == 0, ("--model.name", "llama3")),
     Feature(
         "no_compile", "eager", "compile.enable = false", lambda f: not f.config.compile.enable, ("--compile.enable", "false"),
@@ -237,6 +250,12 @@ CONFLICTS: tuple[Conflict, ...] = (
         "dense", "ep",
         "expert parallel splits the routed experts of a mixture-of-experts model, and this model has none",
         "set parallelism.ep = 1, or pick a mixture-of-experts flavour",
+    ),
+    Conflict(
+        "flex_attention", "compile",
+        "torch compiles FlexAttention on CPU for inference only (no backward), so its training cannot be compiled there",
+        "set compile.enable = false on CPU, or train on CUDA",
+        when=lambda f: f.on_cpu,
     ),
     Conflict(
         "moe_aux_loss", "cp",

@@ -72,7 +72,7 @@ class RunPlan:
             )
         dims = ParallelDims.from_config(config.parallelism, world_size)
         shape = spec.shape_model(args)
-        facts = Facts(config, dims, shape.n_experts)
+        facts = Facts(config, dims, shape.n_experts, spec.attention_kernel)
         refuse_idle_settings(facts)
         refuse_conflicts(facts)
         check_generic_layout(shape, dims)

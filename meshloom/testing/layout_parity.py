@@ -32,8 +32,10 @@ BF16_TOLERANCE = 5e-3
 TRAINING_KEYS = ("mixed_precision",)
 
 
-def base_overrides(steps: int, workdir: Path) -> list[str]:
-    """A tiny, fast, deterministic run; the data cache is shared so only the reference builds it."""
+def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True) -> list[str]:
+    """A tiny, fast, deterministic run; the data cache is shared so only the reference builds it. The built-in
+    tokenizer's vocabulary is set only for runs that use it (a setting that cannot act is refused)."""
+    vocab = ["--data.vocab_size", "512"] if builtin_tokenizer else []
     return [
         "--model.flavor", "tiny",
         "--training.steps", str(steps),
@@ -43,7 +45,7 @@ def base_overrides(steps: int, workdir: Path) -> list[str]:
         "--optimizer.lr", "1e-2",
         "--lr_scheduler.warmup_steps", "2",
         "--data.max_bytes", "400000",
-        "--data.vocab_size", "512",
+        *vocab,
         "--data.cache_dir", str(workdir / "cache"),
         "--validation.enable", "false",
         "--metrics.tensorboard", "false",

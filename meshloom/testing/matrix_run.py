@@ -74,7 +74,7 @@ def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[s
             references[key] = Case(f"ref{len(references)}", str(workdir / f"ref{len(references)}"), spec, STEPS, None, data_args(cell["data"], paths))
     for cell in sync:
         cases += _phases(cell, workdir / cell_id(cell), data_args(cell["data"], paths))
-    results = launch(list(references.values()) + cases, workdir)
+    results = _launch_on_both_cores(list(references.values()) + cases, workdir)
     group_results = _run_groups(groups, workdir, paths)
     outcomes = {}
     for cell in cells:
@@ -87,6 +87,40 @@ def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[s
             per_group = [_joined(group_results[g], _phases(cell, workdir, [])) for g in range(GROUPS)]
             outcomes[cell_id(cell)] = Outcome([p[0] for p in per_group], reference, [p[1] for p in per_group], tolerance)
     return outcomes
+
+
+def _launch_on_both_cores(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:
+    """resume_parity.launch, with half of the one-process runs in a second launch beside it: a launch of one rank
+    keeps one core busy. A run whose stop and resume take different rank counts stays in the main launch (it runs
+    its rank counts in increasing order, so the stop comes first)."""
+    runs: dict[str, list[Case]] = {}
+    for case in cases:
+        runs.setdefault(case.run_dir, []).append(case)
+    single = [run for run in runs.values() if all(case.world_size == 1 for case in run)]
+    beside = [case for run in single[::2] for case in run]
+    main = [case for case in cases if case not in beside]
+    home = workdir / "beside"
+    home.mkdir(exist_ok=True)
+    if not (home / "cache").exists():
+        (home / "cache").symlink_to(workdir / "cache")
+    results: dict[str, CaseResult] = {}
+    errors: list[BaseException] = []
+
+    def run_beside() -> None:
+        try:
+            results.update(launch(beside, home))
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=run_beside)
+    thread.start()
+    try:
+        results.update(launch(main, workdir))
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _run_groups(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> list[dict[str, CaseResult]]:

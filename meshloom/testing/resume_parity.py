@@ -37,7 +37,7 @@ class Case:
     def argv(self, workdir: Path) -> list[str]:
         layout = ParityCase.parse(self.layout)
         return (
-            base_overrides(self.steps, workdir)
+            base_overrides(self.steps, workdir, builtin_tokenizer="--data.tokenizer" not in self.overrides)
             + ["--training.deterministic", "true", "--job.dump_folder", self.run_dir]
             + layout.overrides()
             + self.overrides

@@ -118,6 +118,9 @@ class ReplicaGroup(NoReplicas):
     """This group's torchft Manager and the per-step hooks the trainer calls."""
 
     def __init__(self, config: Config, dims: ParallelDims, device: torch.device, samples_per_group_step: int):
+        # torchft's Rust side logs at INFO to stderr (each quorum, each connection), read from RUST_LOG when torchft
+        # is first imported: warnings only, unless the user asks for more, so a mistake stays one line.
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -309,10 +312,4 @@ def join_replica_groups(
 ) -> NoReplicas:
     if not config.fault_tolerance.enable:
         return NoReplicas()
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:  # torchft's Manager reads the group's rendezvous store from these, as torchrun sets them
-        raise ConfigError(
-            f"fault_tolerance.enable: each replica group runs under torchrun, which sets {' and '.join(missing)}; start "
-            "this group with `torchrun --nproc-per-node N -m meshloom.train ...` (or `meshloom launch slurm`)"
-        )
     return ReplicaGroup(config, dims, device, samples_per_group_step)

@@ -18,6 +18,7 @@ SPEC = ModelSpec(
     # The expert biases are 2-D ([experts, width]) but are one vector per expert, not a matrix to orthogonalise.
     adamw_only=lambda name: name.startswith(("tok_embeddings.", "output.")) or ".moe.router." in name
     or name.endswith((".moe.experts.b13", ".moe.experts.b2")),
+    attention_kernel="flex",
     qk_clip_refusal="its q and k projections carry biases, which a per-head rescale of the weight rows leaves unscaled, "
     "and each head's softmax also holds a learned sink logit that no projection scales",
 )

@@ -13,7 +13,6 @@ Compile on CPU is refused: torch 2.13 compiles FlexAttention on CPU for inferenc
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -26,23 +25,10 @@ from meshloom.parallel.apply import BlockPlan, ParallelParts
 from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.moe_tensor import moe_block_plan
 
-CPU_COMPILE_REFUSAL = (
-    "compile.enable on CPU with model.name = 'gpt_oss': torch 2.13 compiles FlexAttention on CPU for inference only "
-    "(no backward), so training cannot be compiled there; set compile.enable = false on CPU, or train on CUDA"
-)
-
-
-def _on_cpu(config: Config) -> bool:
-    device = config.training.device
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-
-
 def check_layout(args: GptOssArgs, config: Config, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; no compile on CPU; Hugging Face
-    exports need a model GptOssForCausalLM can represent."""
+    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; Hugging Face
+    exports need a model GptOssForCausalLM can represent (compile on CPU is declared in meshloom/planning/features.py)."""
     check_divisible("tp", dims.tp, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size})
-    if config.compile.enable and _on_cpu(config):
-        raise ConfigError(CPU_COMPILE_REFUSAL)
     if config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
         raise ConfigError(
             "checkpoint.hf_export_interval with moe.bias_update_rate > 0: Hugging Face gpt-oss has no place for the "
