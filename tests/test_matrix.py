@@ -5,7 +5,8 @@ Each training cell runs the tiny fp32 run of the parity harness for matrix.STEPS
 decay; a wrong layout shows from its second step), and its losses must equal its reference's within the harness's
 tolerance (fp32: 1e-5; a cell with Float8 in it trains in bf16 on sequences of 32 tokens and takes the Float8 bound, as
 its reference does too):
-- a synchronous layout: one process with the same settings;
+- a synchronous layout: one process with the same settings (streaming under several data-parallel ranks: pure
+  replication of that degree, since each rank reads its own share of the stream);
 - replica groups (2 groups, each the cell's layout): the same one process; the groups average gradients every step, as
   HSDP over the groups would, and HSDP equals one process within 1e-5 (tests/test_parity.py);
 - DiLoCo and LocalSGD (a sync every 2 steps): the two groups end with bit-equal weights, and the last loss within 10%

@@ -37,8 +37,15 @@ class Outcome:
 
 def _reference_spec(cell: Cell) -> str:
     """The cell's settings on one process, reading the whole global batch, eager and without activation
-    checkpointing (neither changes what is computed, so the cell is held to the plainest run)."""
+    checkpointing (neither changes what is computed, so the cell is held to the plainest run).
+
+    A streaming cell of several data-parallel ranks is held to pure replication of that degree instead: each rank
+    reads and packs its own share of the stream, so the samples of a step follow the data-parallel degree (as they do
+    on a cluster), and replication computes what one process would on them (tests/test_parity.py)."""
     plain = {**cell, "ft": "ft_off", "ac": "ac_none", "compile": "eager"}
+    dp = ParityCase.parse(cell_spec(plain)).dp
+    if cell["data"] == "streaming" and dp > 1:
+        return cell_spec(plain, matrix.Value(f"replicate{dp}", (f"dp_replicate={dp}",)))
     return cell_spec(plain, matrix.value("layout", "1proc"))
 
 
