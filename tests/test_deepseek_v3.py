@@ -352,7 +352,7 @@ def test_shape_mistakes_are_named_config_errors(changes, message):
         (8, ["--model.flavor", "tiny", "--parallelism.tp", "8"], r"tp=8 does not divide the model's n_heads=4"),
         (4, ["--model.flavor", "tiny", "--parallelism.tp", "2", "--parallelism.ep", "4"], r"parallelism.ep=4 must divide dp_shard x cp = 2 x 1 = 2"),
         (3, ["--model.flavor", "tiny", "--parallelism.ep", "3"], r"parallelism.ep=3 does not divide the model's 8 routed experts"),
-        (2, ["--model.flavor", "tiny", "--model.n_layers", "1", "--parallelism.ep", "2"], r"needs a mixture-of-experts model"),
+        (2, ["--model.flavor", "tiny", "--model.n_layers", "1", "--parallelism.ep", "2"], r"with parallelism.ep > 1 \(EP\): expert parallel splits the routed experts"),
     ],
 )
 def test_layout_mistakes_are_named_config_errors(world, settings, message):

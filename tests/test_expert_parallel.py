@@ -206,7 +206,7 @@ def test_experts_are_split_over_ep_and_sharded_over_the_rest(world, settings, ep
     [
         (3, ["--parallelism.ep", "3"], r"parallelism.ep=3 does not divide the model's 8 routed experts"),
         (4, ["--parallelism.tp", "2", "--parallelism.ep", "4"], r"parallelism.ep=4 must divide dp_shard x cp = 2 x 1 = 2"),
-        (2, ["--model.flavor", "tiny", "--parallelism.ep", "2"], "needs a mixture-of-experts model"),
+        (2, ["--model.flavor", "tiny", "--parallelism.ep", "2"], r"with parallelism.ep > 1 \(EP\): expert parallel splits the routed experts"),
     ],
 )
 def test_expert_parallel_settings_the_shapes_forbid_are_config_errors(world, settings, message) -> None:

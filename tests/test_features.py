@@ -34,8 +34,9 @@ def test_each_declared_pair_is_refused_with_its_line(conflict: Conflict, tmp_pat
 
 
 def _facts(config, world: int) -> Facts:
-    shape = get_model_spec(config.model.name).shape_model(configured_model_args(config.model))
-    return Facts(config, ParallelDims.from_config(config.parallelism, world), shape.n_experts)
+    spec = get_model_spec(config.model.name)
+    shape = spec.shape_model(configured_model_args(config.model))
+    return Facts(config, ParallelDims.from_config(config.parallelism, world), shape.n_experts, spec.attention_kernel)
 
 
 def test_every_feature_of_a_conflict_has_a_witness_that_turns_it_on(tmp_path: Path) -> None:
@@ -51,6 +52,7 @@ IDLE = [
     (["--pipeline.microbatches", "2"], "pipeline.microbatches = 2 has no effect: it acts only when parallelism.pp > 1"),
     (["--activation_checkpoint.every_k_layers", "2"], "activation_checkpoint.every_k_layers = 2 has no effect: it acts only when activation_checkpoint.mode = 'selective_layer'"),
     (["--data.stream", "s.jsonl"], "data.stream = 's.jsonl' has no effect: it acts only when data.dataset = 'streaming'"),
+    (["--data.stages", '[{"start_step": 1, "weights": {"a": 1}}]'], "data.stages = [{'start_step': 1, 'weights': {'a': 1}}] has no effect: it acts only when data.dataset = 'shards'"),
     (["--data.on_exhausted", "drop"], "data.on_exhausted = 'drop' has no effect: it acts only when data.dataset = 'shards' with data.max_epochs"),
     (["--parallelism.cp_document_balance", "false"], "parallelism.cp_document_balance = False has no effect: it acts only when parallelism.cp > 1"),
     (["--fault_tolerance.sync_every", "20"], "fault_tolerance.sync_every = 20 has no effect: it acts only when fault_tolerance.enable = true"),
@@ -67,7 +69,7 @@ IDLE = [
 def test_a_setting_given_where_it_cannot_act_is_refused_even_at_its_default(
     settings: list[str], fragment: str, tmp_path: Path, data_cache: Path, capsys
 ) -> None:
-    settings = [s.format(tmp=tmp_path) for s in settings]
+    settings = [s.replace("{tmp}", str(tmp_path)) for s in settings]
     base = ["train", *base_overrides(6, tmp_path), "--data.cache_dir", str(data_cache), "--job.dump_folder", str(tmp_path / "run")]
     if "--data.tokenizer" in settings:
         base = [a for a in base if a not in ("--data.vocab_size", "512")]

@@ -199,10 +199,6 @@ def test_bad_mixture_settings_name_the_setting(folders, tmp_path):
     assert error([{"weights": {"web": 1}}]).startswith("data.stages[0] needs start_step (or start_tokens)")
     assert error([{"start_step": 1, "weights": {"web": 1}, "ramp": 3}]).startswith("data.stages[0] has unknown key 'ramp'")
     assert error([], max_epochs={"mth": 1}).startswith("data.max_epochs names unknown source 'mth'")
-    with pytest.raises(ValueError, match=r"^data\.stages mixes prepared shard folders; set data\.dataset = \"shards\""):
-        from meshloom.data.stages import check_mixture_settings
-
-        check_mixture_settings(DataConfig(stages=[{"start_step": 1, "weights": {"a": 1}}]), 1, SEQ)
 
     # A source whose files disappear between runs: a missing shard file, or a missing folder.
     copy = shutil.copytree(folders["code"], tmp_path / "code")

@@ -323,7 +323,7 @@ def test_registry_returns_llama3() -> None:
 
 
 def test_registry_unknown_name_suggests_close_match() -> None:
-    with pytest.raises(ValueError, match=r"model\.name 'lama3'.*choices: deepseek_v3, llama3.*Did you mean 'llama3'"):
+    with pytest.raises(ValueError, match=r"model\.name 'lama3'.*choices: deepseek_v3, gpt_oss, llama3.*Did you mean 'llama3'"):
         get_model_spec("lama3")
 
 

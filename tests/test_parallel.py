@@ -54,7 +54,7 @@ def test_model_shape_checks():
         spec.check_layout(args, load_config([]), dims(8, tp=8))
     with pytest.raises(ConfigError, match="vocab_size=511"):
         spec.check_layout(dataclasses.replace(args, vocab_size=511), load_config([]), dims(2, tp=2))
-    with pytest.raises(ConfigError, match="ep > 1 needs a mixture-of-experts model"):
+    with pytest.raises(ConfigError, match=r"with parallelism.ep > 1 \(EP\): expert parallel splits the routed experts"):
         RunPlan.build(load_config(["--model.flavor", "tiny", "--parallelism.ep", "2", "--parallelism.dp_shard", "2"]), 2)
     spec.check_layout(args, load_config([]), dims(4, tp=4))
 

@@ -172,7 +172,7 @@ def test_unsupported_hf_settings_are_named(tmp_path: Path):
     ("flavor", "world", "settings", "message"),
     [
         ("debug", 2, ["--parallelism.pp", "2"], "ties its output projection to the embedding"),
-        ("tiny", 2, ["--parallelism.ep", "2"], "needs a mixture-of-experts model"),
+        ("tiny", 2, ["--parallelism.ep", "2"], r"with parallelism.ep > 1 \(EP\): expert parallel splits the routed experts"),
         ("tiny_moe", 8, ["--parallelism.tp", "8"], r"tp=8 does not divide the model's n_kv_heads=4"),
     ],
 )

@@ -67,6 +67,7 @@ WRITERS: dict[str, str] = {
     "meshloom/testing/resume_parity.py:launch": "the resume harness's cases file in its own work folder",
     "meshloom/testing/resume_parity.py:worker": "a worker's result file in the harness's own work folder",
     "meshloom/testing/ranks.py:_rank_main": "a forked test rank's log in the launcher's own log folder",
+    "meshloom/testing/matrix_run.py:_sharing_the_cache": "a link to the data cache inside the matrix's own work folder",
     "meshloom/train/nonfinite.py:write_dump": "<run>/diagnostics/nonfinite_stepN.json: a dump of the failing step in the run's own folder",
     "meshloom/train/run_folder.py:write_run_config": "the run's config record, created exclusively ('x'): never over an existing file",
 }

@@ -139,10 +139,7 @@ def build_mixture(config: DataConfig, samples_per_step: int, seq_len: int) -> Mi
 
 
 def check_mixture_settings(config: DataConfig, samples_per_step: int, seq_len: int) -> None:
-    """RunPlan.build's check: the mixture settings are sound and belong to a shards run."""
+    """RunPlan.build's check: the mixture settings are sound (that they belong to a shards run is declared in
+    meshloom/planning/features.py)."""
     if config.dataset == "shards":
         build_mixture(config, samples_per_step, seq_len)
-        return
-    for setting, value in (("stages", config.stages), ("max_epochs", config.max_epochs)):
-        if value:
-            raise UserError(f"data.{setting} mixes prepared shard folders; set data.dataset = \"shards\" or remove data.{setting}")

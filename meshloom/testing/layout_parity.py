@@ -54,6 +54,11 @@ def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True) ->
     ]
 
 
+def run_args(steps: int, workdir: Path, settings: list[str]) -> list[str]:
+    """base_overrides followed by `settings`, with the built-in tokenizer's vocabulary only where it is used."""
+    return base_overrides(steps, workdir, builtin_tokenizer="--data.tokenizer" not in settings) + settings
+
+
 @dataclass
 class ParityCase:
     """One case of the harness: a layout and any other settings, written as `key=value,...` (bare keys are
@@ -174,9 +179,7 @@ def launch(layouts: list[ParityCase], steps: int, workdir: Path, common: list[st
     curves: dict[str, Curve] = {}
     for world_size, group in sorted(by_world.items()):
         cases = {
-            layout.spec: base_overrides(steps, workdir)
-            + (common or [])
-            + layout.overrides()
+            layout.spec: run_args(steps, workdir, [*(common or []), *layout.overrides()])
             + ["--job.dump_folder", str(workdir / f"run_{i}_{world_size}")]
             for i, layout in enumerate(group)
         }
@@ -222,7 +225,7 @@ def compare(
     common_args = ParityCase.parse(common).setting_args()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="meshloom-parity-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    reference = run_steps(base_overrides(steps, workdir) + common_args + ["--job.dump_folder", str(workdir / "reference")])
+    reference = run_steps(run_args(steps, workdir, common_args) + ["--job.dump_folder", str(workdir / "reference")])
     curves = launch(layouts, steps, workdir, common_args)
     comparisons = []
     for layout in layouts:

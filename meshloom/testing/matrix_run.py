@@ -96,6 +96,14 @@ def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[s
     return outcomes
 
 
+def _sharing_the_cache(home: Path, workdir: Path) -> Path:
+    """A folder of the matrix's own work folder for another launch, reading the data cache of `workdir`."""
+    home.mkdir(exist_ok=True)
+    if not (home / "cache").exists():
+        (home / "cache").symlink_to(workdir / "cache")
+    return home
+
+
 def _launch_on_both_cores(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:
     """resume_parity.launch, with half of the one-process runs in a second launch beside it: a launch of one rank
     keeps one core busy. A run whose stop and resume take different rank counts stays in the main launch (it runs
@@ -106,10 +114,7 @@ def _launch_on_both_cores(cases: list[Case], workdir: Path) -> dict[str, CaseRes
     single = [run for run in runs.values() if all(case.world_size == 1 for case in run)]
     beside = [case for run in single[::2] for case in run]
     main = [case for case in cases if case not in beside]
-    home = workdir / "beside"
-    home.mkdir(exist_ok=True)
-    if not (home / "cache").exists():
-        (home / "cache").symlink_to(workdir / "cache")
+    home = _sharing_the_cache(workdir / "beside", workdir)
     results: dict[str, CaseResult] = {}
     errors: list[BaseException] = []
 
@@ -150,10 +155,7 @@ def _run_groups(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> list
     errors: list[BaseException] = []
 
     def run(group: int) -> None:
-        home = workdir / f"group{group}"
-        home.mkdir(exist_ok=True)
-        if not (home / "cache").exists():
-            (home / "cache").symlink_to(workdir / "cache")
+        home = _sharing_the_cache(workdir / f"group{group}", workdir)
         try:
             results[group] = launch(per_group[group], home)
         except BaseException as err:  # noqa: BLE001 - re-raised below, in the caller's thread

@@ -17,7 +17,9 @@ MARKER = "MESHLOOM_TEST_GROUP"
 
 def launch_env(**extra: str) -> dict[str, str]:
     """This checkout on the path, one thread per rank, and each torchrun with its own rendezvous store."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra}
+    # RUST_LOG=info: the tests wait for torchft's own log lines (a group asking for a quorum), which runs keep quiet.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "RUST_LOG": "info", **extra}  # fmt: skip
     env.pop("WORLD_SIZE", None)
     return env
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshloom.testing.layout_parity import ParityCase, base_overrides
+from meshloom.testing.layout_parity import ParityCase, run_args
 from meshloom.testing.ranks import run_ranks
 
 
@@ -36,12 +36,8 @@ class Case:
 
     def argv(self, workdir: Path) -> list[str]:
         layout = ParityCase.parse(self.layout)
-        return (
-            base_overrides(self.steps, workdir, builtin_tokenizer="--data.tokenizer" not in self.overrides)
-            + ["--training.deterministic", "true", "--job.dump_folder", self.run_dir]
-            + layout.overrides()
-            + self.overrides
-        )
+        settings = ["--training.deterministic", "true", "--job.dump_folder", self.run_dir, *layout.overrides()]
+        return run_args(self.steps, workdir, [*settings, *self.overrides])
 
 
 @dataclass
