@@ -55,7 +55,7 @@ WRITERS: dict[str, str] = {
     "meshloom/data/shard_format.py:write_json": "prepare's state and meta files in its checked folder",
     "meshloom/data/tokenizer.py:_builtin": "the trained tokenizer's cache file in data.cache_dir",
     "meshloom/data/tokenizer.py:atomic_write_bytes": "the helper itself: write to a temporary, then rename (its callers are checked)",
-    "meshloom/launch/ray_train.py:_report_attempt": "the attempt file in the run's own dump folder",
+    "meshloom/launch/ray_train.py:_attempt_of_this_run": "the attempt count in the launch's own Ray folder of the run",
     "meshloom/observe/flight_recorder.py:dump": "<run>/flight_recorder/attempt-N/rank-R.json of this run, via a temporary",
     "meshloom/observe/logging.py:MetricLogger.__init__": "appends to the run's metrics.jsonl (check_run_folder: this run's, or the one it resumes)",
     "meshloom/observe/metrics.py:cached_cpu_peak": "a cache file of meshloom's own under data.cache_dir, via a temporary",
