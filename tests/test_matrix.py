@@ -55,7 +55,7 @@ def test_the_cells_cover_every_pair_the_declaration_accepts() -> None:
     missing = matrix.required_pairs()
     for cell in CELLS:
         assert matrix.plan_refusal(dict(cell)) is None, f"{matrix.cell_id(cell)} is refused: {matrix.plan_refusal(dict(cell))}"
-        missing -= matrix._pairs(dict(cell))
+        missing -= matrix.pairs_of(dict(cell))
     assert not missing, f"pairs in no training cell (regenerate with python -m meshloom.testing.matrix): {sorted(missing)}"
 
 

@@ -395,7 +395,6 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __post_init__(self) -> None:
-        # The `section.field` keys the user gave (recipe or command line), even at their default value, so a
-        # setting that cannot act is refused however it was written; None = not built from user input (then a
-        # value counts as given when it differs from its default). Not a field: never saved or compared.
+        # The keys the user gave, even at their default value (a setting that cannot act is refused however it was
+        # written); None: not built from user input. Not a field, so never saved or compared.
         self.given: set[str] | None = None

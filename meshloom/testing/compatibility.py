@@ -72,7 +72,7 @@ def statuses() -> dict[tuple[str, str], str]:
     refused = {_key(*pair): line for pair, line in matrix.refused_pairs().items()}
     cells: dict[tuple[str, str], str] = {}
     for cell in CELLS:
-        for pair in matrix._pairs(dict(cell)):
+        for pair in matrix.pairs_of(dict(cell)):
             if all(name in TITLES for name in pair):
                 cells.setdefault(_key(*pair), matrix.cell_id(cell))
     out: dict[tuple[str, str], object] = {}

@@ -199,9 +199,10 @@ def ft_args(name: str, replica_id: int, lighthouse: str) -> list[str]:
 # --------------------------------------------------------------------------- the covering array
 
 
-def _pairs(cell: Cell) -> set[tuple[str, str]]:
-    names = [cell[axis] for axis in AXES]
-    return {(a, b) for a, b in itertools.combinations(names, 2)}
+def pairs_of(cell: Cell) -> set[tuple[str, str]]:
+    """The pairs of values a cell holds (of the axes it has chosen so far), in the axes' order."""
+    names = [cell[axis] for axis in AXES if cell.get(axis)]
+    return set(itertools.combinations(names, 2))
 
 
 @cache
@@ -263,18 +264,17 @@ def generate(seed: int = 2, tries: int = 60, weight: float = 0.5) -> list[Cell]:
                 scored = []
                 for v in AXES[axis]:
                     trial = {**cell, axis: v.name}
-                    fixed = {k: n for k, n in trial.items() if n}
-                    gain = sum(1 for p in _pairs_partial(fixed) if p in missing)
+                    gain = len(pairs_of(trial) & missing)
                     scored.append((gain - weight * v.cost, rng.random(), v.name))
                 cell[axis] = max(scored)[2]
             if plan_refusal(cell) is not None and (cell := _repaired(cell, order)) is None:
                 continue
-            score = len(_pairs(cell) & missing) - weight * _cost(cell)
+            score = len(pairs_of(cell) & missing) - weight * _cost(cell)
             if best is None or score > best[0]:
                 best = (score, cell)
         assert best is not None, "no cell the declaration accepts covers the remaining pairs"
         cells.append(best[1])
-        missing -= _pairs(best[1])
+        missing -= pairs_of(best[1])
     return cells
 
 
@@ -286,11 +286,6 @@ def _repaired(cell: Cell, free: list[str]) -> Cell | None:
             if plan_refusal(trial) is None:
                 return trial
     return None
-
-
-def _pairs_partial(fixed: Cell) -> set[tuple[str, str]]:
-    names = [fixed[axis] for axis in AXES if axis in fixed]
-    return set(itertools.combinations(names, 2))
 
 
 if __name__ == "__main__":
