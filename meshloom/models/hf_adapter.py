@@ -165,3 +165,30 @@ class NameMapAdapter(HFAdapter):
     def num_experts(self, args: Any) -> int:
         """Routed experts per MoE block (families with expert stacks override this)."""
         raise NotImplementedError(f"{type(self).__name__} lists expert stacks but does not say how many experts")
+
+
+class UnexportedBalancingBias(NameMapAdapter):
+    """A mixture-of-experts family whose Hugging Face format has no place for the aux-loss-free balancing bias: the
+    bias is not exported, an import starts it at zero, and exporting a model that trained one is refused with the
+    family's own line (`bias_refusal`), since transformers would route its tokens to other experts."""
+
+    balancing_bias = "moe.expert_bias"
+
+    def bias_refusal(self, biased_layers: int, first: str) -> str:
+        raise NotImplementedError(f"{type(self).__name__} does not say why its balancing bias cannot be exported")
+
+    def exported_names(self, names: list[str], args: Any) -> list[str]:
+        return [n for n in super().exported_names(names, args) if not n.endswith(self.balancing_bias)]
+
+    def sources(self, name: str, args: Any) -> list[str]:
+        return [] if name.endswith(self.balancing_bias) else super().sources(name, args)
+
+    def from_hf(self, name: str, tensors: list[torch.Tensor], args: Any) -> torch.Tensor:
+        if name.endswith(self.balancing_bias):
+            return torch.zeros(args.moe.n_experts)
+        return super().from_hf(name, tensors, args)
+
+    def check_exportable(self, state: Mapping[str, torch.Tensor], args: Any) -> None:
+        biased = [n for n, tensor in state.items() if n.endswith(self.balancing_bias) and bool(tensor.count_nonzero())]
+        if biased:
+            raise UserError(self.bias_refusal(len(biased), biased[0]))

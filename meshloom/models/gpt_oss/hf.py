@@ -17,14 +17,12 @@ from typing import Any
 
 import torch
 
-from meshloom.config.errors import UserError
 from meshloom.models.common.moe import MoEArgs
 from meshloom.models.common.rope import YarnScaling
 from meshloom.models.gpt_oss.model import GptOssArgs
-from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter, refuse_unsupported_hf_values, require_hf_keys
+from meshloom.models.hf_adapter import HFConfigError, UnexportedBalancingBias, refuse_unsupported_hf_values, require_hf_keys
 
 ARCHITECTURE, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
-BIAS = "moe.expert_bias"
 
 
 def _transpose(tensor: torch.Tensor, args: Any) -> torch.Tensor:
@@ -156,7 +154,7 @@ def shape_differences(wanted: GptOssArgs, found: GptOssArgs) -> list[str]:
     return [f"{f}: {getattr(found, f)!r} vs {getattr(wanted, f)!r}" for f in _COMPARED if getattr(found, f) != getattr(wanted, f)]
 
 
-class GptOssHFAdapter(NameMapAdapter):
+class GptOssHFAdapter(UnexportedBalancingBias):
     architectures = (ARCHITECTURE,)
     model_type = MODEL_TYPE
     top_level = _TOP_LEVEL
@@ -173,26 +171,14 @@ class GptOssHFAdapter(NameMapAdapter):
     def shape_differences(self, wanted: GptOssArgs, found: GptOssArgs) -> list[str]:
         return shape_differences(wanted, found)
 
-    # The balancing bias: not exported, built as zeros on import.
-    def exported_names(self, names: list[str], args: Any) -> list[str]:
-        return [n for n in super().exported_names(names, args) if not n.endswith(BIAS)]
-
-    def sources(self, name: str, args: Any) -> list[str]:
-        return [] if name.endswith(BIAS) else super().sources(name, args)
-
-    def from_hf(self, name: str, tensors: list[torch.Tensor], args: Any) -> torch.Tensor:
-        return torch.zeros(args.moe.n_experts) if name.endswith(BIAS) else super().from_hf(name, tensors, args)
-
-    def check_exportable(self, state: Mapping[str, torch.Tensor], args: Any) -> None:
-        biased = [name for name, tensor in state.items() if name.endswith(BIAS) and bool(tensor.count_nonzero())]
-        if biased:
-            raise UserError(
-                f"cannot export to Hugging Face gpt-oss: {len(biased)} MoE layers (first {biased[0]}) route with a "
-                "non-zero load-balancing bias (moe.bias_update_rate > 0 during training), which GptOssForCausalLM has no "
-                "place for (its router bias is trained, not a balancing offset), so transformers would send tokens to "
-                "other experts; train models to export with --moe.bias_update_rate 0, or use this one through meshloom's "
-                "format"
-            )
+    def bias_refusal(self, biased_layers: int, first: str) -> str:
+        return (
+            f"cannot export to Hugging Face gpt-oss: {biased_layers} MoE layers (first {first}) route with a "
+            "non-zero load-balancing bias (moe.bias_update_rate > 0 during training), which GptOssForCausalLM has no "
+            "place for (its router bias is trained, not a balancing offset), so transformers would send tokens to "
+            "other experts; train models to export with --moe.bias_update_rate 0, or use this one through meshloom's "
+            "format"
+        )
 
 
 ADAPTER = GptOssHFAdapter()

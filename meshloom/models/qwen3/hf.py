@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 
-from meshloom.config.errors import UserError
 from meshloom.models.common.moe import MoEArgs
-from meshloom.models.hf_adapter import HFConfigError, NameMapAdapter, refuse_unsupported_hf_values, require_hf_keys
+from meshloom.models.hf_adapter import HFConfigError, UnexportedBalancingBias, refuse_unsupported_hf_values, require_hf_keys
 from meshloom.models.qwen3.model import Qwen3Args
 
 DENSE_ARCHITECTURE, MOE_ARCHITECTURE = "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 DENSE_TYPE, MOE_TYPE = "qwen3", "qwen3_moe"
-BIAS = "moe.expert_bias"
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -162,7 +160,7 @@ def shape_differences(wanted: Qwen3Args, found: Qwen3Args) -> list[str]:
     return out + (["sparse blocks differ (moe_every / dense_layers)"] if sparse else []) + _moe_differences(wanted.moe, found.moe)
 
 
-class Qwen3HFAdapter(NameMapAdapter):
+class Qwen3HFAdapter(UnexportedBalancingBias):
     architectures = (DENSE_ARCHITECTURE, MOE_ARCHITECTURE)
     model_type = DENSE_TYPE
     top_level = _TOP_LEVEL
@@ -185,27 +183,15 @@ class Qwen3HFAdapter(NameMapAdapter):
     def shape_differences(self, wanted: Qwen3Args, found: Qwen3Args) -> list[str]:
         return shape_differences(wanted, found)
 
-    # The balancing bias: not exported, built as zeros on import.
-    def exported_names(self, names: list[str], args: Any) -> list[str]:
-        return [n for n in super().exported_names(names, args) if not n.endswith(BIAS)]
-
-    def sources(self, name: str, args: Any) -> list[str]:
-        return [] if name.endswith(BIAS) else super().sources(name, args)
-
-    def from_hf(self, name: str, tensors: list[torch.Tensor], args: Any) -> torch.Tensor:
-        return torch.zeros(args.moe.n_experts) if name.endswith(BIAS) else super().from_hf(name, tensors, args)
-
-    def check_exportable(self, state: Mapping[str, torch.Tensor], args: Any) -> None:
-        biased = [name for name, tensor in state.items() if name.endswith(BIAS) and bool(tensor.count_nonzero())]
-        if biased:
-            raise UserError(
-                f"cannot export to Hugging Face Qwen3-MoE: {len(biased)} MoE layers (first {biased[0]}) route with a "
-                "non-zero load-balancing bias (moe.bias_update_rate > 0 during training), which Qwen3MoeForCausalLM "
-                "has no place for, so transformers would send tokens to other experts than meshloom does (the bias "
-                "only picks experts, so it cannot be folded into weights); train models to export with "
-                "--moe.bias_update_rate 0 (Qwen3's own balancing is --moe.aux_loss_coef 1e-3), or use this one through "
-                "meshloom's format (generate, eval, lm-eval, export)"
-            )
+    def bias_refusal(self, biased_layers: int, first: str) -> str:
+        return (
+            f"cannot export to Hugging Face Qwen3-MoE: {biased_layers} MoE layers (first {first}) route with a "
+            "non-zero load-balancing bias (moe.bias_update_rate > 0 during training), which Qwen3MoeForCausalLM "
+            "has no place for, so transformers would send tokens to other experts than meshloom does (the bias "
+            "only picks experts, so it cannot be folded into weights); train models to export with "
+            "--moe.bias_update_rate 0 (Qwen3's own balancing is --moe.aux_loss_coef 1e-3), or use this one through "
+            "meshloom's format (generate, eval, lm-eval, export)"
+        )
 
 
 ADAPTER = Qwen3HFAdapter()
