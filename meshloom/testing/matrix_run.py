@@ -114,21 +114,25 @@ def _launch_on_both_cores(cases: list[Case], workdir: Path) -> dict[str, CaseRes
     single = [run for run in runs.values() if all(case.world_size == 1 for case in run)]
     beside = [case for run in single[::2] for case in run]
     main = [case for case in cases if case not in beside]
-    home = _sharing_the_cache(workdir / "beside", workdir)
-    results: dict[str, CaseResult] = {}
+    beside_results, main_results = _side_by_side([(beside, _sharing_the_cache(workdir / "beside", workdir)), (main, workdir)])
+    return {**beside_results, **main_results}
+
+
+def _side_by_side(launches: list[tuple[list[Case], Path]]) -> list[dict[str, CaseResult]]:
+    """resume_parity.launch of every (cases, work folder) at once, a thread each; the first failure is raised."""
+    results: list[dict[str, CaseResult]] = [{} for _ in launches]
     errors: list[BaseException] = []
 
-    def run_beside() -> None:
+    def run(index: int, cases: list[Case], home: Path) -> None:
         try:
-            results.update(launch(beside, home))
+            results[index] = launch(cases, home)
         except BaseException as err:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(err)
 
-    thread = threading.Thread(target=run_beside)
-    thread.start()
-    try:
-        results.update(launch(main, workdir))
-    finally:
+    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(launches)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
         thread.join()
     if errors:
         raise errors[0]
@@ -151,25 +155,8 @@ def _run_groups(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> list
             for phase, case in enumerate(_phases(cell, run_dir, data_args(cell["data"], paths))):
                 case.overrides += [*FT_COMMON, *ft_args(cell["ft"], group, homes[phase].address())]
                 per_group[group].append(case)
-    results: list[dict[str, CaseResult]] = [{} for _ in range(GROUPS)]
-    errors: list[BaseException] = []
-
-    def run(group: int) -> None:
-        home = _sharing_the_cache(workdir / f"group{group}", workdir)
-        try:
-            results[group] = launch(per_group[group], home)
-        except BaseException as err:  # noqa: BLE001 - re-raised below, in the caller's thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(g,)) for g in range(GROUPS)]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        return _side_by_side([(per_group[g], _sharing_the_cache(workdir / f"group{g}", workdir)) for g in range(GROUPS)])
     finally:
         for lighthouse in lighthouses:
             lighthouse.shutdown()
-    if errors:
-        raise errors[0]
-    return results
