@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.common.tensor_plans import attention_plan
 from meshloom.models.gpt_oss.model import GptOss, GptOssArgs
@@ -29,12 +28,6 @@ def check_layout(args: GptOssArgs, config: Config, dims: ParallelDims) -> None:
     """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; Hugging Face
     exports need a model GptOssForCausalLM can represent (compile on CPU is declared in meshloom/planning/features.py)."""
     check_divisible("tp", dims.tp, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size})
-    if config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
-        raise ConfigError(
-            "checkpoint.hf_export_interval with moe.bias_update_rate > 0: Hugging Face gpt-oss has no place for the "
-            "balancing bias, so the exports would route tokens differently; set moe.bias_update_rate = 0 or "
-            "checkpoint.hf_export_interval = 0"
-        )
 
 
 class ShardHeads(ParallelStyle):
