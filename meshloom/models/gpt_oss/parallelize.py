@@ -24,9 +24,10 @@ from meshloom.parallel.apply import BlockPlan, ParallelParts
 from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.moe_tensor import moe_block_plan
 
+
 def check_layout(args: GptOssArgs, config: Config, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; Hugging Face
-    exports need a model GptOssForCausalLM can represent (compile on CPU is declared in meshloom/planning/features.py)."""
+    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows (compile on CPU and Hugging Face
+    exports with a balancing bias are declared in meshloom/planning/features.py)."""
     check_divisible("tp", dims.tp, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size})
 
 
