@@ -185,6 +185,23 @@ def test_core_rule_is_the_chunked_output_from_zero():
     _close(LOCAL_CORE.rule(q, k, v, g, beta, 0.3, document_ids=ids), expected)
 
 
+@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_identity_columns_give_the_affine_map_of_the_incoming_state(rule):
+    """From [0 | I] the outputs are [o(0) | R] and the final state [B | T]: from any S, o = o(0) + R S and the
+    final state is T S + B, also with a document starting mid-sequence (row 0), which cuts S off."""
+    q, k, v, g, beta, state = _inputs(s=21)
+    ids = _documents(2, 21, [[9], []])
+    dk, dv = q.shape[-1], v.shape[-1]
+    start = torch.zeros(2, 3, dk, dv + dk)
+    start[..., dv:] = torch.eye(dk)
+    kwargs = {"chunk_size": 8} if rule is chunk_gated_delta_rule else {}
+    wide, wide_final = rule(q, k, v, g, beta, scale=0.5, initial_state=start, document_ids=ids, **kwargs)
+    out, final = rule(q, k, v, g, beta, scale=0.5, initial_state=state, document_ids=ids, **kwargs)
+    _close(wide[..., :dv] + torch.einsum("bshk,bhkv->bshv", wide[..., dv:], state), out)
+    _close(wide_final[..., dv:] @ state + wide_final[..., :dv], final)
+    assert wide[0, 9:, :, dv:].abs().max() == 0 and wide_final[0, :, :, dv:].abs().max() == 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
 def test_fla_kernels_match_the_torch_path(rule):

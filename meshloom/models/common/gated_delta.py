@@ -46,7 +46,11 @@ def chunk_gated_delta_rule(
     """q, k [b, s, h, dk] (already L2-normalised by the caller; key heads already repeated to the value heads),
     v [b, s, h, dv], g [b, s, h] log decay (<= 0), beta [b, s, h]; document_ids [b, s] (int, equal ids = same
     document; the state resets where the id changes from the previous token). Computes in float32.
-    Returns (out [b, s, h, dv] in q.dtype, final state [b, h, dk, dv] float32)."""
+    Returns (out [b, s, h, dv] in q.dtype, final state [b, h, dk, dv] float32).
+
+    `initial_state` may be wider than v ([b, h, dk, dv'], dv' > dv): its extra columns evolve with zero values and
+    `out` and the final state then have dv' columns. Started at the identity, they give how the outputs and the
+    final state depend on the incoming state (context parallel's state passing uses this)."""
     if q.is_cuda and _fla_ops() is not None:
         return _fla_rule(_fla_ops().chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, document_ids)
     segments = None if document_ids is None else document_segments(document_ids)
@@ -72,6 +76,7 @@ def recurrent_gated_delta_rule(
                          document_ids)
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     state = _initial(q, v, initial_state)
+    v = F.pad(v, (0, state.shape[-1] - v.shape[-1]))  # a wider state's extra columns see zero values
     segments = None if document_ids is None else document_segments(document_ids)
     outs = []
     for t in range(q.shape[1]):
@@ -107,8 +112,6 @@ def chunked_scan(
     b, s, h, dk = k.shape
     dv, wide = v.shape[-1], state.shape[-1]
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    if wide > dv:
-        v = torch.cat([v, v.new_zeros(b, s, h, wide - dv)], dim=-1)
     if segments is None:
         segments = torch.zeros(b, s, dtype=torch.long, device=q.device)
     # Padding tokens have k = q = v = 0, beta = 0 and no decay, and stay in the last document: they change nothing.
@@ -135,6 +138,8 @@ def chunked_scan(
     # (I + A) U = beta V - beta exp(decay) K S_in, with A strictly lower: the delta rule's corrections inside a chunk.
     system = (k_beta @ k.transpose(-1, -2)) * strict + torch.eye(c, device=q.device)
     new_values = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    if wide > dv:  # the state's extra columns see zero values
+        new_values = F.pad(new_values, (0, wide - dv))
     state_keys = torch.linalg.solve_triangular(system, k_beta * (decay.exp() * carries).unsqueeze(-1),
                                                upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * pair_decay * scale
@@ -226,8 +231,10 @@ def _fla_ops():
 def _fla_rule(op, q, k, v, g, beta, scale, initial_state, document_ids) -> tuple[Tensor, Tensor]:
     """One fla call; documents become its variable-length sequences over the flattened batch."""
     b, s, h, dk = q.shape
+    if initial_state is not None and initial_state.shape[-1] > v.shape[-1]:
+        v = F.pad(v, (0, initial_state.shape[-1] - v.shape[-1]))
     if document_ids is None:
-        out, state = op(q, k, v, g.float(), beta, scale=scale, initial_state=_initial(q, v, initial_state),
+        out, state = op(q, k, v, g=g.float(), beta=beta, scale=scale, initial_state=_initial(q, v, initial_state),
                         output_final_state=True)
         return out.to(q.dtype), state.float()
     segments = document_segments(document_ids)
@@ -240,7 +247,7 @@ def _fla_rule(op, q, k, v, g, beta, scale, initial_state, document_ids) -> tuple
     states = torch.zeros(flat_starts.numel(), h, dk, v.shape[-1], dtype=torch.float32, device=q.device)
     row_first = (flat_starts % s == 0).nonzero().squeeze(-1)
     states = states.index_copy(0, row_first, _initial(q, v, initial_state))
-    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g.float(), beta)]
-    out, final = op(*flat, scale=scale, initial_state=states, output_final_state=True, cu_seqlens=cu_seqlens)
+    q, k, v, g, beta = (x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g.float(), beta))
+    out, final = op(q, k, v, g=g, beta=beta, scale=scale, initial_state=states, output_final_state=True, cu_seqlens=cu_seqlens)
     row_last = torch.cat([row_first[1:], torch.tensor([flat_starts.numel()], device=q.device)]) - 1
     return out.reshape(b, s, h, -1).to(q.dtype), final.float()[row_last]
