@@ -13,7 +13,7 @@ $(BIN)/meshloom: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# Only install torch when none is present, so an existing CUDA build is kept.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install --disable-pip-version-check -e ".[test,eval,ray,k8s,ft]"
+	$(BIN)/pip install --disable-pip-version-check -e ".[test,eval,ray,k8s,ft,fla]"
 	touch $@
 
 train: venv
