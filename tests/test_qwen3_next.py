@@ -26,7 +26,8 @@ def test_every_flavour_builds_and_its_shape_model_counts_the_same_parameters():
         with torch.device("meta"):
             model = SPEC.model_cls(args)
         assert SPEC.shape_model(args).num_params() == model.num_params(), flavor
-    assert get_model_args("qwen3_next", "tiny").layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    tiny = get_model_args("qwen3_next", "tiny")
+    assert [tiny.layer_type(i) for i in range(4)] == ["linear_attention"] * 3 + ["full_attention"]
 
 
 def test_80b_a3b_sizes():
@@ -161,3 +162,43 @@ def test_greedy_generation_equals_transformers_and_the_uncached_path(pair):
     uncached = generate(ours, [prompt, short], 64, use_cache=False)
     assert both.tokens == uncached.tokens
     assert both.tokens[0] == reference and both.tokens[1] == generate(ours, [short], 64).tokens[0]
+
+
+# --------------------------------------------------------------------------- training, planning
+
+
+def test_training_reduces_the_loss_with_packed_documents(tiny_args):
+    from meshloom.config.loader import load_config
+    from meshloom.train.trainer import Trainer
+
+    settings = ["--model.name", "qwen3_next", "--training.steps", "8", "--optimizer.lr", "1e-2", "--data.document_mask", "true"]
+    losses = Trainer(load_config(tiny_args + settings)).train()
+    assert losses[-1] < losses[0] - 0.4, losses
+
+
+def test_dry_run_80b_a3b_prints_a_plan():
+    from meshloom.config.loader import load_config
+    from meshloom.planning.dry_run import dry_run
+
+    config = load_config([
+        "--model.name", "qwen3_next", "--model.flavor", "80B-A3B", "--training.seq_len", "4096",
+        "--training.local_batch_size", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "32", "--parallelism.ep", "16",
+    ])  # fmt: skip
+    report = dry_run(config, 64)
+    text = report.format()
+    print(text)
+    assert "parameters (built shards)" in text and report.built_param_bytes == report.rank_params
+    # Per rank: the routed experts (77.3B) split over ep 16 x the remaining FSDP 2, the rest over dp_shard 32 and tp 2.
+    experts = 48 * 512 * 3 * 512 * 2048
+    expected = 4 * (experts / 32 + (79_674_391_296 - experts) / 64)
+    assert 0.8 < report.built_param_bytes / expected < 1.3
+
+
+def test_tensor_parallel_needs_whole_gated_deltanet_heads():
+    from meshloom.config.errors import ConfigError
+    from meshloom.config.loader import load_config
+    from meshloom.planning.run_plan import RunPlan
+
+    config = load_config(["--model.name", "qwen3_next", "--model.flavor", "tiny", "--parallelism.tp", "4"])
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the model's n_kv_heads=2"):
+        RunPlan.build(config, 4)

@@ -80,6 +80,15 @@ def _rope(config: Mapping[str, Any], where: str) -> tuple[float, float]:
     return theta, float(config.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.25)))
 
 
+def _irregular_layer_types(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """layer_types when they differ from every full_attention_interval-th block full (else empty: the args then
+    follow any n_layers)."""
+    given = tuple(config.get("layer_types") or ())
+    interval = int(config.get("full_attention_interval", 4))
+    regular = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(given)))
+    return () if given == regular else given
+
+
 def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -> Qwen3NextArgs:
     """Qwen3NextArgs for a Qwen3-Next config.json; anything meshloom would compute differently is an error."""
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
@@ -115,7 +124,7 @@ def args_from_hf_config(config: Mapping[str, Any], where: str = "config.json") -
             ffn_hidden_dim=int(config.get("intermediate_size", 0) or 0),
             moe_every=int(config.get("decoder_sparse_step", 1)),
             dense_layers=tuple(config.get("mlp_only_layers") or ()),
-            layer_types=tuple(config.get("layer_types") or ()),
+            layer_types=_irregular_layer_types(config),
             full_attention_interval=int(config.get("full_attention_interval", 4)),
             linear_n_key_heads=int(config.get("linear_num_key_heads", 16)),
             linear_n_value_heads=int(config.get("linear_num_value_heads", 32)),
@@ -149,7 +158,7 @@ def hf_config(args: Qwen3NextArgs, dtype: torch.dtype, base: Mapping[str, Any] |
         head_dim=args.head_dim,
         vocab_size=args.vocab_size,
         max_position_embeddings=args.max_seq_len,
-        layer_types=list(args.layer_types),
+        layer_types=[args.layer_type(i) for i in range(args.n_layers)],
         linear_num_key_heads=args.linear_n_key_heads,
         linear_num_value_heads=args.linear_n_value_heads,
         linear_key_head_dim=args.linear_key_head_dim,
@@ -180,7 +189,7 @@ def _moe_differences(wanted: MoEArgs | None, found: MoEArgs | None) -> list[str]
     return [f"moe.{n}: {getattr(found, n)!r} vs {getattr(wanted, n)!r}" for n in names if getattr(found, n) != getattr(wanted, n)]
 
 
-_COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "layer_types", "linear_n_key_heads",
+_COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "linear_n_key_heads",
              "linear_n_value_heads", "linear_key_head_dim", "linear_value_head_dim", "conv_kernel", "partial_rotary_factor",
              "norm_eps", "rope_theta", "tie_embeddings")  # fmt: skip
 
@@ -190,7 +199,10 @@ def shape_differences(wanted: Qwen3NextArgs, found: Qwen3NextArgs) -> list[str]:
     fields = list(_COMPARED) + (["ffn_hidden_dim"] if wanted.has_dense_layers or found.has_dense_layers else [])
     out = [f"{f}: {getattr(found, f)!r} vs {getattr(wanted, f)!r}" for f in fields if getattr(found, f) != getattr(wanted, f)]
     sparse = [found.is_moe_layer(i) for i in range(found.n_layers)] != [wanted.is_moe_layer(i) for i in range(wanted.n_layers)]
-    return out + (["sparse blocks differ (moe_every / dense_layers)"] if sparse else []) + _moe_differences(wanted.moe, found.moe)
+    kinds = [found.layer_type(i) for i in range(found.n_layers)] != [wanted.layer_type(i) for i in range(wanted.n_layers)]
+    out += ["sparse blocks differ (moe_every / dense_layers)"] if sparse else []
+    out += ["layer types differ (layer_types / full_attention_interval)"] if kinds else []
+    return out + _moe_differences(wanted.moe, found.moe)
 
 
 def _group_rows(args: Qwen3NextArgs, fused: str) -> tuple[int, ...]:

@@ -49,7 +49,7 @@ class Qwen3NextArgs:
     moe_every: int = 1  # decoder_sparse_step: blocks i with (i + 1) % moe_every == 0 are sparse ...
     dense_layers: tuple[int, ...] = ()  # mlp_only_layers: ... unless listed here
     # layer_types: "linear_attention" or "full_attention" per block; empty = every full_attention_interval-th block
-    # full, the others linear.
+    # full, the others linear (for any n_layers, so a flavour's depth can be overridden).
     layer_types: tuple[str, ...] = ()
     full_attention_interval: int = 4
     linear_n_key_heads: int = 16  # linear_num_key_heads
@@ -79,10 +79,8 @@ class Qwen3NextArgs:
                 f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} rotary channels of head_dim "
                 f"{self.head_dim}; it must give an even number between 2 and head_dim"
             )
-        self.layer_types = tuple(self.layer_types) or tuple(
-            FULL if (i + 1) % self.full_attention_interval == 0 else LINEAR for i in range(self.n_layers)
-        )
-        if len(self.layer_types) != self.n_layers or set(self.layer_types) - {LINEAR, FULL}:
+        self.layer_types = tuple(self.layer_types)
+        if self.layer_types and (len(self.layer_types) != self.n_layers or set(self.layer_types) - {LINEAR, FULL}):
             raise UserError(f"layer_types must name {LINEAR!r} or {FULL!r} once per block ({self.n_layers}), got {list(self.layer_types)}")
         if any(i < 0 for i in self.dense_layers):
             raise UserError(f"dense_layers must hold block indices >= 0, got {list(self.dense_layers)}")
@@ -96,8 +94,13 @@ class Qwen3NextArgs:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.dense_layers and (layer + 1) % self.moe_every == 0
 
+    def layer_type(self, layer: int) -> str:
+        if self.layer_types:
+            return self.layer_types[layer]
+        return FULL if (layer + 1) % self.full_attention_interval == 0 else LINEAR
+
     def is_linear_layer(self, layer: int) -> bool:
-        return self.layer_types[layer] == LINEAR
+        return self.layer_type(layer) == LINEAR
 
     @property
     def has_dense_layers(self) -> bool:

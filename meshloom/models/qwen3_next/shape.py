@@ -110,6 +110,16 @@ class Qwen3NextShape(Qwen3Shape):
             mlp += self.routed_activation_bytes_per_token(a) + (a * d + 2 * FP32 if args.moe.shared_gate else 0)
         return norms + mixer + mlp
 
+    def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
+        """A MoE block's routed token copies (`Qwen3Shape`), plus in a Gated DeltaNet block the chunked rule's
+        short-lived float32 tensors: the unmasked and unexponentiated pairwise decays and scores of a chunk (4 x CHUNK
+        per value head) and the per-chunk products of keys and values with the state."""
+        transient = super().block_transient_bytes_per_token(layer, tp, ep, act_bytes)
+        if self.args.is_linear_layer(layer):
+            a = self.args
+            transient += FP32 * a.linear_n_value_heads * (4 * CHUNK + a.linear_key_head_dim + a.linear_value_head_dim) / tp
+        return transient
+
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Full-attention blocks: the full-square convention (12·heads·head_dim·seq). Gated DeltaNet blocks, forward
         + backward (3x the forward): per value head, reading the state with q and k and writing it (6·dk·dv), and the
