@@ -13,8 +13,8 @@ tie_word_embeddings false.
 
 Resulting sizes (tests/test_qwen3_next.py checks them): 79.67B parameters with 3.87B active per token (embedding and
 output counted, as Qwen counts; 3.25B without the two 0.31B vocabulary tables). Qwen publishes "80B total, 3B
-activated"; the released checkpoint also holds one multi-token-prediction block (``mtp.*``, about 1.07B more: its own
-512 experts, one gated-attention layer and the projection of two concatenated hidden states), which transformers'
+activated"; the released checkpoint also holds one multi-token-prediction block (``mtp.*``, about 1.65B more: its own
+512 experts, one gated-attention layer and the projection of two concatenated hidden states, 81.3B in all), which transformers'
 Qwen3NextForCausalLM does not model and meshloom's import ignores, as it ignores any tensor of a released folder
 only transformers drops.
 """
