@@ -6,7 +6,9 @@ heads). Gated DeltaNet: q, k, v, z, b and a by column (a rank holds whole key he
 the output projection by row; the convolution filters, A_log and dt_bias, laid out head by head along dim 0, are
 sharded on dim 0 with their heads; the output norm works per value head, like QK-norm. A sparse block's MoE layer
 follows meshloom/parallel/moe_tensor.py (router, shared-expert gate and routed experts replicated over tp, shared
-expert split like a dense MLP); expert parallel, FSDP and pipeline stages treat these blocks as any other.
+expert split like a dense MLP); expert parallel, FSDP and pipeline stages treat these blocks as any other. Context
+parallel runs the attention blocks as a ring and the Gated DeltaNet blocks by state passing
+(meshloom/parallel/state_passing.py), on one token layout.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.common.tensor_plans import ShardHeads, attention_plan, dense_mlp_plan
 from meshloom.models.qwen3_next.model import Qwen3Next, Qwen3NextArgs
@@ -25,7 +26,8 @@ from meshloom.parallel.moe_tensor import moe_block_plan
 
 def check_layout(args: Qwen3NextArgs, config: Config, dims: ParallelDims) -> None:
     """Every tensor-parallel rank gets whole attention heads, kv heads, Gated DeltaNet key and value heads, vocabulary
-    rows and MLP rows; Hugging Face exports need a model Qwen3NextForCausalLM can represent."""
+    rows and MLP rows (that Hugging Face exports cannot hold a balancing bias is declared in
+    meshloom/planning/features.py)."""
     sizes = {
         "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "linear_n_key_heads": args.linear_n_key_heads,
         "linear_n_value_heads": args.linear_n_value_heads, "vocab_size": args.vocab_size,
@@ -35,12 +37,6 @@ def check_layout(args: Qwen3NextArgs, config: Config, dims: ParallelDims) -> Non
     if args.moe is not None and args.moe.shared_hidden_dim:
         sizes["shared_hidden_dim"] = args.moe.shared_hidden_dim
     check_divisible("tp", dims.tp, sizes)
-    if args.moe is not None and config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
-        raise ConfigError(
-            "checkpoint.hf_export_interval with moe.bias_update_rate > 0: Hugging Face Qwen3-Next has no place for the "
-            "balancing bias, so the exports would route tokens differently; set moe.bias_update_rate = 0 (balance with "
-            "moe.aux_loss_coef instead) or checkpoint.hf_export_interval = 0"
-        )
 
 
 def _per_head_norm() -> SequenceParallel:
@@ -69,5 +65,6 @@ def moe_layers(model: Qwen3Next) -> list[nn.Module]:
 
 
 PARALLEL = ParallelParts(
-    block_tp_plan=block_tp_plan, embedding="tok_embeddings", final_norm="norm", output="output", moe_layers=moe_layers
+    block_tp_plan=block_tp_plan, embedding="tok_embeddings", final_norm="norm", output="output", moe_layers=moe_layers,
+    passes_state=lambda block: block.attention.recurrent,
 )
