@@ -14,7 +14,7 @@ from meshloom.config.errors import UserError
 from meshloom.config.loader import load_config
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.planning.layout import Layout, Precision, layout_config, layout_of
-from meshloom.planning.memory_estimate import estimate_memory
+from meshloom.planning.memory_estimate import GIB, estimate_memory
 from meshloom.planning.planner import Cluster, SearchSpace, base_config, plan
 from meshloom.planning.run_plan import RunPlan
 from meshloom.cli.plan import main as plan_main
@@ -136,6 +136,44 @@ def test_interleaved_and_v_schedules_change_bubble_and_memory():
     p = Precision("bf16")
     acts = {lay.pipeline_schedule: estimate_memory(shape, lay, 8192, p).activations for lay in (base, inter, gpipe)}
     assert acts["1F1B"] < acts["Interleaved1F1B"] < acts["GPipe"]
+
+
+def _dualpipev_inflight(pp: int, microbatches: int, rank: int) -> dict[int, int]:
+    """Microbatches each stage of `rank` holds (forward run, input gradient not yet) when the rank holds the most, read
+    off the action order torch's ScheduleDualPipeV gives that rank (no stages or process group needed to build it)."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType
+
+    schedule = object.__new__(ScheduleDualPipeV)
+    schedule.pp_group_size, schedule._n_microbatches, schedule.n_local_stages = pp, microbatches, 2
+    live: dict[int, int] = {}
+    best: dict[int, int] = {}
+    for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+        for step in action.sub_actions or (action,):
+            if step.computation_type == _ComputationType.FORWARD:
+                live[step.stage_index] = live.get(step.stage_index, 0) + 1
+            elif step.computation_type in (_ComputationType.BACKWARD_INPUT, _ComputationType.FULL_BACKWARD):
+                live[step.stage_index] -= 1
+            if sum(live.values()) > sum(best.values()):
+                best = dict(live)
+    return best
+
+
+def test_dualpipev_holds_the_loss_stage_for_one_microbatch():
+    """torch's DualPipeV keeps 2pp microbatches of rank 0's first stage and one of the last stage (the V's turn, whose
+    backward follows each forward) when rank 0 holds the most: the estimate keeps the last stage's logits once, not for
+    every microbatch in flight, so DeepSeek's PP 16 layout's rank 0 is not dominated by 17 microbatches of logits."""
+    assert _dualpipev_inflight(16, 120, 0) == {0: 32, 31: 1}
+    assert _dualpipev_inflight(4, 16, 0) == {0: 8, 7: 1}
+    shape = _shape("deepseek_v3", "671B")
+    layout = Layout(dp_shard=128, pp=16, ep=64, ac="full", microbatch_size=1, microbatches=120,
+                    pipeline_schedule="DualPipeV", stages_per_rank=2)  # fmt: skip
+    p = Precision("bf16")
+    rank0 = estimate_memory(shape, layout, 4096, p, stage_index=0)
+    logits = 4 * shape.vocab_size * 4096
+    # With the loss side held for all pp + 1 microbatches it would exceed this by 16 x the fp32 logits.
+    zbv = estimate_memory(shape, dataclasses.replace(layout, pipeline_schedule="ZBVZeroBubble"), 4096, p, stage_index=0)
+    assert zbv.activations - rank0.activations > 14 * logits
+    assert rank0.peak < 40 * GIB
 
 
 def test_deepseek_v3_671b_on_1024_gpus_finds_pipeline_and_expert_parallel(tmp_path, capsys):
