@@ -178,7 +178,8 @@ def compared_layout(run: Run, shape: ShapeModel) -> Layout:
     if run.ac_open:
         for ac in ("none", "selective_op", "full"):
             layout = dataclasses.replace(run.layout, ac=ac)
-            if cluster_of(run, layout, shape).fits(estimate_memory(shape, layout, run.seq_len, Precision("bf16")).peak, layout):
+            peak = estimate_memory(shape, layout, run.seq_len, Precision("bf16")).peak
+            if cluster_of(run, layout, shape).fits(peak, layout):
                 return layout
         return dataclasses.replace(run.layout, ac="full")
     return run.layout

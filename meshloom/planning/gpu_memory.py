@@ -37,19 +37,13 @@ NCCL_COMMUNICATOR_GIB = 0.64
 NCCL_ALL_TO_ALL_GIB = 3.05
 
 
-def communicators(layout: Layout) -> dict[str, int]:
-    """The process groups a rank of `layout` runs NCCL operations on, by the mesh dimension they serve: FSDP's
-    (dp_shard x cp), HSDP's replica group, tensor, context (the ring's sends) and pipeline parallel (point-to-point),
-    and expert parallel's all-to-all; 1 each where the degree exceeds 1."""
-    groups = {
-        "fsdp": layout.fsdp,
-        "dp_replicate": layout.dp_replicate,
-        "tp": layout.tp,
-        "cp": layout.cp,
-        "pp": layout.pp,
-        "ep": layout.ep,
-    }
-    return {name: 1 for name, degree in groups.items() if degree > 1}
+def communicators(layout: Layout) -> tuple[str, ...]:
+    """The mesh dimensions whose process group a rank of `layout` runs NCCL operations on (degree above 1): FSDP's
+    (dp_shard x cp), HSDP's replica group, tensor, context (the ring's sends), pipeline (point-to-point) and expert
+    parallel (its all-to-all)."""
+    degrees = {"fsdp": layout.fsdp, "dp_replicate": layout.dp_replicate, "tp": layout.tp, "cp": layout.cp,
+               "pp": layout.pp, "ep": layout.ep}  # fmt: skip
+    return tuple(name for name, degree in degrees.items() if degree > 1)
 
 
 def gpu_added_bytes(layout: Layout) -> float:

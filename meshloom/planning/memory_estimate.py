@@ -322,7 +322,7 @@ def estimate_memory(
         # first stage 2pp), so the loss side (the final norm, the logits and what the family keeps there) is held once.
         loss_side = 0.0
         if stage.last and layout.pp > 1 and layout.pipeline_schedule == "DualPipeV":
-            loss_side = per_root - first_root - held_output + logits
+            loss_side = per_root - first_root  # the last stage's root and its held logits
             per_root = first_root + a * shape.dim / layout.tp  # the first stage's output, held per microbatch
         saved = stage.inflight * tokens * (sum(per_layer) + per_root) + tokens * loss_side
         # Backward of a checkpointed block j in one microbatch: that microbatch's loss-side activations and

@@ -1,5 +1,6 @@
 """The layout planner behind `meshloom plan`: enumerate the layouts a cluster allows, keep those that fit in memory
-(the estimated tensors with the CUDA context and NCCL's buffers within the headroom, `Cluster.fits`), rank them by step time (`meshloom.planning.step_time`).
+(the estimated tensors with the CUDA context and NCCL's buffers within the headroom, `Cluster.fits`), rank them by
+step time (`meshloom.planning.step_time`).
 
 The search covers the parallel degrees (dp_replicate, dp_shard, tp inside a node, cp, pp, and ep for
 mixture-of-experts models), pipeline schedules with their microbatch counts, gradient accumulation (a smaller
@@ -252,11 +253,12 @@ def plan(
         )
     if not candidates:
         lean, memory = search.smallest
-        need = device_bytes(memory.peak, lean) / cluster.headroom / GIB
+        device = device_bytes(memory.peak, lean) / GIB
+        need = device / cluster.headroom
         raise UserError(
             f"the {flavor} model does not fit on {cluster.gpus} x {cluster.memory_gib:g} GiB under any layout "
             f"(seq_len {seq_len}, global batch {global_batch}); the smallest peak is {memory.peak / GIB:.1f} GiB "
-            f"per GPU ({lean.describe()}; with the CUDA context and NCCL's buffers {device_bytes(memory.peak, lean) / GIB:.1f}), "
+            f"per GPU ({lean.describe()}; with the CUDA context and NCCL's buffers {device:.1f}), "
             f"so GPUs need at least {need:.1f} GiB at {cluster.headroom:.0%} usable; "
             f"add GPUs, shorten seq_len or use GPUs with more memory"
         )

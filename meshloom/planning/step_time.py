@@ -213,7 +213,8 @@ def step_time(shape: ShapeModel, layout: Layout, seq_len: int, precision: Precis
         # Dispatch and combine of one chunk run while the experts multiply another: hidden up to the experts' time.
         # DualPipe pairs one microbatch's forward chunk with another's backward chunk and runs either's all-to-all
         # during the other's attention and MLP (DeepSeek-V3 report, section 3.2.1, figure 4): hidden up to all compute.
-        budget = compute if layout.pipeline_schedule == "DualPipeV" and layout.pp > 1 else compute * expert_flops_share(shape, seq_len)
+        dualpipe = layout.pipeline_schedule == "DualPipeV" and layout.pp > 1
+        budget = compute if dualpipe else compute * expert_flops_share(shape, seq_len)
         exposed["ep"] = max(0.0, comm["ep"] - budget)
     busy = compute + sum(exposed.values())
     overlapped = comm["dp_shard"] + comm["dp_replicate"]
