@@ -35,7 +35,6 @@ TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_
 TITAN_COMMIT = "https://github.com/pytorch/torchtitan/tree/9dec370ad26b5f8e9a7333a0e36165018262644b"
 TITAN_DSV3 = "https://github.com/pytorch/torchtitan/issues/1789"
 AUTOMODEL = "https://docs.nvidia.com/nemo/automodel/latest/performance-summary.html"
-AUTOMODEL_HIGHLIGHTS = "https://docs.nvidia.com/nemo/automodel/latest/about/key-features.html"
 DEEPSEEK_V3 = "https://arxiv.org/abs/2412.19437"
 # The planner's default compute rate (meshloom plan --mfu) and why it stands where a source logged none: torchtitan
 # states 33-39% MFU for its bf16 Llama 3.1 8B runs on these H100s, with and without compile.
