@@ -214,6 +214,10 @@ _recompute_peak = functools.lru_cache(maxsize=65536)(
     lambda shape, layer, mode, tp, a, ep: shape.block_recompute_bytes_per_token(layer, mode, tp, a, ep)
 )
 
+_mixer_recompute = functools.lru_cache(maxsize=65536)(
+    lambda shape, layer, mode, tp, a: shape.block_mixer_recompute_bytes_per_token(layer, mode, tp, a)
+)
+
 _BLOCK_KINDS: dict[tuple[ParamShape, ...], tuple[ParamShape, ...]] = {}
 
 
@@ -378,6 +382,24 @@ def estimate_memory(
                 alive = max(alive, recompute_peak)
             unit_backward = (a + precision.reduce_dtype_bytes) * unit + FP32 * _split(unit, fsdp) + int(alive) + gathered
             backward_end = max(backward_end, unit_backward + (grads if accumulate else 0))
+            # Inside the backward of any checkpointed block (not only the last): once its MLP's backward is done, the
+            # MLP's unsharded gradients (a MoE block's experts, most of its unit) are alive next to the token mixer's
+            # recomputed tensors, the reduce-scatter buffer of the block after it (freed at the next reduce-scatter),
+            # the reduced shards of every later block and what the blocks before it keep (read off the tracker on
+            # Qwen3-Next's FSDP 2 cells, benchmarks/RESULTS.md; families without `block_mlp_params` add nothing).
+            units = [whole[id(block)] for block in blocks]
+            for position, (layer, mode) in enumerate(zip(stage.block_ids, modes)):
+                mlp = local_numel(list(shape.block_mlp_params(layer)), layout, fsdp=1)
+                if mode == "none" or not mlp:
+                    continue
+                later = units[position + 1:]
+                mixer = _mixer_recompute(shape, layer, mode, layout.tp, a)
+                held = stage.inflight * tokens * (sum(per_layer[: position + 1]) + first_root) + tokens * mixer
+                mid_block = (
+                    a * mlp + precision.reduce_dtype_bytes * (later[0] if later else 0)
+                    + FP32 * sum(_split(u, fsdp) for u in later) + int(held) + gathered
+                )  # fmt: skip
+                backward_end = max(backward_end, mid_block + (grads if accumulate else 0))
         # The optimizer step: on CPU meshloom runs AdamW's foreach implementation, whose square roots of the second
         # moments are one more fp32 copy of every AdamW-updated parameter, alive next to the gradients (measured by
         # the whole-peak table, benchmarks/RESULTS.md); on CUDA the fused kernels make none.

@@ -104,11 +104,30 @@ class Qwen3NextShape(Qwen3Shape):
             router = FP32 * (args.moe.n_experts + 1) if moe else 0
             return block_input + matmuls + router
         assert ac == "none", ac
-        norms = 2 * ((FP32 * d + a * d) / tp + a * d)
+        norms = self._norm_bytes(tp, a)
         mlp = 4 * a * ffn / tp
         if moe:
             mlp += self.routed_activation_bytes_per_token(a) + (a * d + 2 * FP32 if args.moe.shared_gate else 0)
         return norms + mixer + mlp
+
+    def _norm_bytes(self, tp: int, a: int) -> float:
+        """The two zero-centred norms: a float32 copy of the input and the normalised output (on the local sequence
+        shard under tp), and the output gathered for the next matmul."""
+        d = self.args.dim
+        return 2 * ((FP32 * d + a * d) / tp + a * d)
+
+    def block_mlp_params(self, layer: int) -> list[ParamShape]:
+        """What `block_params` lists after the token mixer and the MLP's norm."""
+        return self.block_params(layer)[len(self._mixer_params(layer)) + 2 :]
+
+    def block_mixer_recompute_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """Both norms and the token mixer as mode "none" keeps them (`_mixer_bytes`), less the block input (the norm's
+        float32 copy of it in float32) and, under selective_op, the mixer's kept matmul outputs."""
+        a = act_bytes
+        mixer, mixer_matmuls = self._mixer_bytes(layer, tp, a)
+        kept = mixer_matmuls if ac == "selective_op" else 0.0
+        block_input = a * self.args.dim / tp if a == FP32 else 0.0
+        return self._norm_bytes(tp, a) + mixer - kept - block_input
 
     def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
         """A MoE block's routed token copies (`Qwen3Shape`), plus in a Gated DeltaNet block the chunked rule's
