@@ -55,6 +55,9 @@ class ShapeModel(ABC):
     top_k: int = 0
     # The sequence length when SDPA runs its math path (`with_math_attention`), 0 for a fused attention kernel.
     math_attention_seq_len: int = 0
+    # Context-parallel degree and sequence length the blocks run at (`with_context_parallel`); 1 and 0 without it.
+    cp: int = 1
+    cp_seq_len: int = 0
 
     # ------------------------------------------------------------------ what the family describes
 
@@ -152,6 +155,14 @@ class ShapeModel(ABC):
         kernel ignore it."""
         other = copy.copy(self)
         other.math_attention_seq_len = seq_len
+        return other
+
+    def with_context_parallel(self, cp: int, seq_len: int) -> ShapeModel:
+        """This model as its blocks run over `cp` context-parallel ranks on `seq_len`-token sequences (each rank holds
+        seq_len / cp tokens, in the load-balanced split's 2 chunks); families whose per-token bytes do not change
+        under context parallel ignore it."""
+        other = copy.copy(self)
+        other.cp, other.cp_seq_len = cp, seq_len
         return other
 
     def root_params(self, first: bool, last: bool) -> list[ParamShape]:

@@ -239,6 +239,11 @@ def _with_math_attention(shape: ShapeModel, seq_len: int) -> ShapeModel:
     return shape.with_math_attention(seq_len)
 
 
+@functools.lru_cache(maxsize=64)
+def _with_context_parallel(shape: ShapeModel, cp: int, seq_len: int) -> ShapeModel:
+    return shape.with_context_parallel(cp, seq_len)
+
+
 @functools.lru_cache(maxsize=4096)
 def is_moe_block(shape: ShapeModel, layer: int) -> bool:
     return any(p.expert for p in cached_block_params(shape, layer))
@@ -261,6 +266,8 @@ def estimate_memory(
     if precision.device == "cpu" and layout.cp == 1:
         # Context parallel's ring attention is meshloom's own (it keeps no probabilities) on every device.
         shape = _with_math_attention(shape, seq_len)
+    if layout.cp > 1:
+        shape = _with_context_parallel(shape, layout.cp, seq_len)
     tokens = layout.microbatch_size * seq_len / layout.cp
     a = precision.compute_bytes
     fsdp = layout.fsdp
@@ -387,17 +394,23 @@ def estimate_memory(
             # recomputed tensors, the reduce-scatter buffer of the block after it (freed at the next reduce-scatter),
             # the reduced shards of every later block and what the blocks before it keep (read off the tracker on
             # Qwen3-Next's FSDP 2 cells, benchmarks/RESULTS.md; families without `block_mlp_params` add nothing).
+            # The block before it is gathered ahead (prefetched), except before the first block of a model part.
             units = [whole[id(block)] for block in blocks]
+            part_starts = {ids[0] for ids in stage.stage_blocks if ids}
+            roots_gathered = a * local_numel(roots, layout, fsdp=1)
             for position, (layer, mode) in enumerate(zip(stage.block_ids, modes)):
                 mlp = local_numel(list(shape.block_mlp_params(layer)), layout, fsdp=1)
                 if mode == "none" or not mlp:
                     continue
                 later = units[position + 1:]
+                prefetched = units[position - 1] if position and layer not in part_starts else 0
+                in_block = block_bytes * (units[position] + prefetched) + roots_gathered
                 mixer = _mixer_recompute(shape, layer, mode, layout.tp, a)
                 held = stage.inflight * tokens * (sum(per_layer[: position + 1]) + first_root) + tokens * mixer
                 mid_block = (
                     a * mlp + precision.reduce_dtype_bytes * (later[0] if later else 0)
-                    + FP32 * sum(_split(u, fsdp) for u in later) + int(held) + gathered
+                    + FP32 * sum(_split(u, fsdp) for u in later) + int(held)
+                    + (in_block if layout.reshard_after_forward else gathered)
                 )  # fmt: skip
                 backward_end = max(backward_end, mid_block + (grads if accumulate else 0))
         # The optimizer step: on CPU meshloom runs AdamW's foreach implementation, whose square roots of the second

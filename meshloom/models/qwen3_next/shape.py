@@ -10,6 +10,8 @@ saved once per 64-token chunk for backward.
 
 from __future__ import annotations
 
+import math
+
 from meshloom.models.qwen3.shape import Qwen3Shape
 from meshloom.models.qwen3_next.model import Qwen3NextArgs
 from meshloom.models.shape import FP32, ParamShape
@@ -85,7 +87,27 @@ class Qwen3NextShape(Qwen3Shape):
         # and the state saved once per chunk.
         rule = 3 * FP32 * (2 * nv * dk + nv * dv) + 2 * FP32 * nv * CHUNK + FP32 * nv * dk * dv / CHUNK
         output = a * vd + 2 * FP32 * vd + 2 * a * vd  # rule output, norm's float32 copy, silu(z), normed, product
+        if self.cp > 1:
+            rule = self._state_passing_rule_bytes(nv, dk, dv)
         return (projections + conv + l2 + gates + rule + output) / tp, (projections + a * vd) / tp
+
+    def _state_passing_rule_bytes(self, nv: int, dk: int, dv: int) -> float:
+        """The chunked rule's bytes per token under context parallel's state passing (meshloom.parallel.state_passing),
+        on `nv` value heads. Each of a rank's 2 chunks (seq_len / 2cp tokens) runs from the state [0 | I], so the
+        tensors that carry the state's columns are dk columns wider: each token's update and the state saved per chunk
+        (the values and the outputs' copies before them are not); a chunk shorter than CHUNK is padded up to it. The
+        correction's einsum keeps a copy of the readout rows R_t (dk per value head). Per sequence: the gathered
+        (B, T) pairs of all 2cp chunks, the incoming states the scan's matmuls keep and the rank's 2 the correction
+        keeps."""
+        chunks = 2 * self.cp
+        chunk_len = self.cp_seq_len / chunks
+        padded = CHUNK * math.ceil(chunk_len / CHUNK) / chunk_len
+        rule = 3 * FP32 * (2 * nv * dk + nv * dv) + 2 * FP32 * nv * CHUNK + FP32 * nv * dk * dv / CHUNK
+        wide = FP32 * nv * dk + FP32 * nv * dk * dk / CHUNK
+        readout = FP32 * nv * dk
+        pairs = chunks * FP32 * nv * dk * (dv + dk)
+        states = (chunks - 1 + 2) * FP32 * nv * dk * dv
+        return padded * (rule + wide) + readout + (pairs + states) / (self.cp_seq_len / self.cp)
 
     def block_activation_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
         """Two zero-centred norms, the token mixer (`_mixer_bytes`), then as Qwen3's MLP: a sparse block's routed
