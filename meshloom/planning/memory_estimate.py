@@ -228,6 +228,12 @@ def cached_block_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]
     return _BLOCK_KINDS.setdefault(params, params)
 
 
+@functools.lru_cache(maxsize=4096)
+def cached_mlp_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
+    """A block's MLP parameters (`ShapeModel.block_mlp_params`), kept like the block's."""
+    return tuple(shape.block_mlp_params(layer))
+
+
 @functools.lru_cache(maxsize=256)
 def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[ParamShape, ...]:
     """The embedding, output and whatever else the family keeps at the ends of a stage, kept like the blocks'."""
@@ -398,8 +404,11 @@ def estimate_memory(
             units = [whole[id(block)] for block in blocks]
             part_starts = {ids[0] for ids in stage.stage_blocks if ids}
             roots_gathered = a * local_numel(roots, layout, fsdp=1)
+            reduced_after = [0] * (len(units) + 1)  # the reduced shards of the blocks after each position
+            for position in reversed(range(len(units))):
+                reduced_after[position] = reduced_after[position + 1] + _split(units[position], fsdp)
             for position, (layer, mode) in enumerate(zip(stage.block_ids, modes)):
-                mlp = local_numel(list(shape.block_mlp_params(layer)), layout, fsdp=1)
+                mlp = local_numel(cached_mlp_params(shape, layer), layout, fsdp=1)
                 if mode == "none" or not mlp:
                     continue
                 later = units[position + 1:]
@@ -409,7 +418,7 @@ def estimate_memory(
                 held = stage.inflight * tokens * (sum(per_layer[: position + 1]) + first_root) + tokens * mixer
                 mid_block = (
                     a * mlp + precision.reduce_dtype_bytes * (later[0] if later else 0)
-                    + FP32 * sum(_split(u, fsdp) for u in later) + int(held)
+                    + FP32 * reduced_after[position + 1] + int(held)
                     + (in_block if layout.reshard_after_forward else gathered)
                 )  # fmt: skip
                 backward_end = max(backward_end, mid_block + (grads if accumulate else 0))
