@@ -235,6 +235,12 @@ def cached_mlp_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
 
 
 @functools.lru_cache(maxsize=256)
+def describes_mlp(shape: ShapeModel) -> bool:
+    """Whether the family gives its blocks' MLP parameters (`ShapeModel.block_mlp_params`)."""
+    return any(cached_mlp_params(shape, layer) for layer in range(shape.n_layers))
+
+
+@functools.lru_cache(maxsize=256)
 def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[ParamShape, ...]:
     """The embedding, output and whatever else the family keeps at the ends of a stage, kept like the blocks'."""
     return tuple(shape.root_params(first, last))
@@ -401,27 +407,29 @@ def estimate_memory(
             # the reduced shards of every later block and what the blocks before it keep (read off the tracker on
             # Qwen3-Next's FSDP 2 cells, benchmarks/RESULTS.md; families without `block_mlp_params` add nothing).
             # The block before it is gathered ahead (prefetched), except before the first block of a model part.
-            units = [whole[id(block)] for block in blocks]
-            part_starts = {ids[0] for ids in stage.stage_blocks if ids}
-            roots_gathered = a * local_numel(roots, layout, fsdp=1)
-            reduced_after = [0] * (len(units) + 1)  # the reduced shards of the blocks after each position
-            for position in reversed(range(len(units))):
-                reduced_after[position] = reduced_after[position + 1] + _split(units[position], fsdp)
-            for position, (layer, mode) in enumerate(zip(stage.block_ids, modes)):
-                mlp = local_numel(cached_mlp_params(shape, layer), layout, fsdp=1)
-                if mode == "none" or not mlp:
-                    continue
-                later = units[position + 1:]
-                prefetched = units[position - 1] if position and layer not in part_starts else 0
-                in_block = block_bytes * (units[position] + prefetched) + roots_gathered
-                mixer = _mixer_recompute(shape, layer, mode, layout.tp, a)
-                held = stage.inflight * tokens * (sum(per_layer[: position + 1]) + first_root) + tokens * mixer
-                mid_block = (
-                    a * mlp + precision.reduce_dtype_bytes * (later[0] if later else 0)
-                    + FP32 * reduced_after[position + 1] + int(held)
-                    + (in_block if layout.reshard_after_forward else gathered)
-                )  # fmt: skip
-                backward_end = max(backward_end, mid_block + (grads if accumulate else 0))
+            if describes_mlp(shape):
+                units = [whole[id(block)] for block in blocks]
+                part_starts = {ids[0] for ids in stage.stage_blocks if ids}
+                roots_gathered = a * local_numel(roots, layout, fsdp=1)
+                reduced_after = [0] * (len(units) + 1)  # the reduced shards of the blocks after each position
+                for position in reversed(range(len(units))):
+                    reduced_after[position] = reduced_after[position + 1] + _split(units[position], fsdp)
+                kept_so_far = 0.0
+                for position, (layer, mode, kept) in enumerate(zip(stage.block_ids, modes, per_layer)):
+                    kept_so_far += kept
+                    mlp = local_numel(cached_mlp_params(shape, layer), layout, fsdp=1)
+                    if mode == "none" or not mlp:
+                        continue
+                    next_unit = units[position + 1] if position + 1 < len(units) else 0
+                    prefetched = units[position - 1] if position and layer not in part_starts else 0
+                    in_block = block_bytes * (units[position] + prefetched) + roots_gathered
+                    mixer = _mixer_recompute(shape, layer, mode, layout.tp, a)
+                    held = stage.inflight * tokens * (kept_so_far + first_root) + tokens * mixer
+                    mid_block = (
+                        a * mlp + precision.reduce_dtype_bytes * next_unit + FP32 * reduced_after[position + 1]
+                        + int(held) + (in_block if layout.reshard_after_forward else gathered)
+                    )  # fmt: skip
+                    backward_end = max(backward_end, mid_block + (grads if accumulate else 0))
         # The optimizer step: on CPU meshloom runs AdamW's foreach implementation, whose square roots of the second
         # moments are one more fp32 copy of every AdamW-updated parameter, alive next to the gradients (measured by
         # the whole-peak table, benchmarks/RESULTS.md); on CUDA the fused kernels make none.
