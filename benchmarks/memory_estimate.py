@@ -411,8 +411,8 @@ def print_peak_table(results: dict[str, list[dict] | str], models: list[str]) ->
     """The whole peak measured / estimated per family, layout and AC mode: the lowest and highest ratio over the
     ranks, and the measured peak (MiB) of the rank that held the most."""
     specs = table_specs(models)
-    print(f"\nwhole peak (parameters, gradients, optimizer state, activations, FSDP buffers, temporaries) measured / "
-          f"estimated: lowest-highest over the ranks (measured MiB, largest rank); target 0.9-1.1 on every rank")
+    print("\nwhole peak (parameters, gradients, optimizer state, activations, FSDP buffers, temporaries) measured / "
+          "estimated: lowest-highest over the ranks (measured MiB, largest rank); target 0.9-1.1 on every rank")
     inside = total = 0
     for model in models:
         print(f"\n{model}")
