@@ -39,8 +39,9 @@ def _benchmark() -> ModuleType:
 
 
 def test_estimate_matches_tracked_memory_across_families_and_ac_modes(tmp_path):
-    """Local shards of parameters, gradients and optimizer state exactly (on the busiest rank); the tracked activation peak (recomputation
-    included) within BOUND of the estimate on every rank, and the whole peak within PEAK_BOUND of the estimate's total."""
+    """Local shards of parameters, gradients and optimizer state exactly (on the busiest rank); the tracked activation
+    peak (recomputation included) within BOUND of the estimate on every rank, and the whole peak within PEAK_BOUND of
+    the estimate's total."""
     bench = _benchmark()
     table = bench.table_specs()
     specs = [table[cell] for cell in CELLS]

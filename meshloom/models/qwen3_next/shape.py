@@ -102,17 +102,17 @@ class Qwen3NextShape(Qwen3Shape):
         heads of dk key and dv value channels, its state `wide` columns wider (state passing), all float32: q, k, v
         (padded copies), k_beta, its decayed copy, the corrected keys, the decayed queries, the transposed key copies,
         the keys to the chunk end and the per-chunk copies of them and of the decayed queries (10 dk); v times beta,
-        the corrected values and each token's state update (3 dv, the update wide); the pairwise decays, the masked
-        key products, their mask, the triangular system, the query-key scores and their per-chunk copies (6 chunk
-        columns); the state once per chunk; the per-token decays and gates the rule derives (7)."""
+        the corrected values and each token's state update (3 dv, the update wide); the pairwise decays and their
+        strictly lower copy, the key products, the triangular system, the query-key products and the per-chunk copies
+        of the scores (6 chunk columns); the state once per chunk; the per-token decays and gates the rule derives (7)."""
         per_head = 10 * dk + 3 * dv + wide + 6 * CHUNK + dk * (dv + wide) / CHUNK + 7
         return FP32 * nv * per_head
 
     def _state_passing_rule_bytes(self, nv: int, dk: int, dv: int) -> float:
         """The chunked rule's bytes per token under context parallel's state passing (meshloom.parallel.state_passing),
         on `nv` value heads. Each of a rank's 2 chunks (seq_len / 2cp tokens) runs from the state [0 | I], so the
-        tensors that carry the state's columns are dk columns wider: each token's update and the state saved per chunk
-        (the values and the outputs' copies before them are not); a chunk shorter than CHUNK is padded up to it. The
+        tensors that carry the state's columns are dk columns wider (each token's update and the state saved per
+        chunk, `_rule_bytes`'s `wide`); a chunk shorter than CHUNK is padded up to it. The
         correction's einsum keeps a copy of the readout rows R_t (dk per value head). Per sequence: the gathered
         (B, T) pairs of all 2cp chunks, the incoming states the scan's matmuls keep and the rank's 2 the correction
         keeps."""
