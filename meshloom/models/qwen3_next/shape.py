@@ -104,7 +104,8 @@ class Qwen3NextShape(Qwen3Shape):
         the keys to the chunk end and the per-chunk copies of them and of the decayed queries (10 dk); v times beta,
         the corrected values and each token's state update (3 dv, the update wide); the pairwise decays and their
         strictly lower copy, the key products, the triangular system, the query-key products and the per-chunk copies
-        of the scores (6 chunk columns); the state once per chunk; the per-token decays and gates the rule derives (7)."""
+        of the scores (6 chunk columns); the state once per chunk; the per-token decays and gates the rule derives
+        (7)."""
         per_head = 10 * dk + 3 * dv + wide + 6 * CHUNK + dk * (dv + wide) / CHUNK + 7
         return FP32 * nv * per_head
 
