@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/memory_estimate.py [--flavor debug] [--seq-len 128] [--batch 2]
     PYTHONPATH=. .venv/bin/python benchmarks/memory_estimate.py --table     # every family x layout x AC mode
+        [--models "qwen3_next;llama3"]  # only these families' cells (names of TABLE_MODELS)
         [--save measured.json]        # keep the measured bytes per layout and rank
         [--measured measured.json]    # compare a changed estimator with them without training again
 
@@ -93,10 +94,22 @@ AC_MODES = ("none", "full", "selective_op")
 TABLE_OVERRIDES = {("qwen3", "PP 2"): "model.flavor=tiny"}
 
 
-def table_specs() -> dict[tuple[str, str, str], str]:
-    """(model, layout, AC mode) -> the layout spec the benchmark runs."""
+def table_models(names: str | None = None) -> list[str]:
+    """The table's families: all of TABLE_MODELS, or the ';'-separated `names` among them."""
+    if not names:
+        return list(TABLE_MODELS)
+    chosen = [name.strip() for name in names.split(";")]
+    unknown = [name for name in chosen if name not in TABLE_MODELS]
+    if unknown:
+        raise UserError(f"--models names {unknown[0]!r}, which the table lacks; use one of {'; '.join(TABLE_MODELS)}")
+    return chosen
+
+
+def table_specs(models: list[str] | None = None) -> dict[tuple[str, str, str], str]:
+    """(model, layout, AC mode) -> the layout spec the benchmark runs, for `models` (default: every family)."""
     specs = {}
-    for model, model_spec in TABLE_MODELS.items():
+    for model in models or TABLE_MODELS:
+        model_spec = TABLE_MODELS[model]
         for name, layout in TABLE_LAYOUTS.items():
             if name == "EP 2" and model not in MOE_MODELS:
                 continue
@@ -357,14 +370,14 @@ def print_layouts(specs: list[str], results: dict[str, list[dict] | str], args: 
     print("largest deviation: " + ", ".join(f"{k} {worst[k] * 100:.1f}% (target {TARGETS[k] * 100:.0f}%)" for k in TARGETS))
 
 
-def print_table(results: dict[str, list[dict] | str], args: argparse.Namespace) -> None:
+def print_table(results: dict[str, list[dict] | str], args: argparse.Namespace, models: list[str]) -> None:
     """Activations measured / estimated per family, layout and AC mode (worst rank); parameters, gradients and
     optimizer state listed only where they are not exact."""
-    specs = table_specs()
+    specs = table_specs(models)
     print(f"seq {args.seq_len}, batch {args.batch}, fp32; activations measured / estimated on the rank furthest from 1 "
           f"[/ on the busiest rank, where that differs] (measured MiB on the busiest rank); AC modes {', '.join(AC_MODES)}")  # fmt: skip
-    for model, model_spec in TABLE_MODELS.items():
-        print(f"\n{model} ({model_spec})")
+    for model in models:
+        print(f"\n{model} ({TABLE_MODELS[model]})")
         print(f"{'layout':<14} " + " ".join(f"{ac:>22}" for ac in AC_MODES))
         for name in TABLE_LAYOUTS:
             if (model, name, AC_MODES[0]) not in specs:
@@ -394,14 +407,14 @@ def print_table(results: dict[str, list[dict] | str], args: argparse.Namespace) 
                 print(note)
 
 
-def print_peak_table(results: dict[str, list[dict] | str]) -> None:
+def print_peak_table(results: dict[str, list[dict] | str], models: list[str]) -> None:
     """The whole peak measured / estimated per family, layout and AC mode: the lowest and highest ratio over the
     ranks, and the measured peak (MiB) of the rank that held the most."""
-    specs = table_specs()
-    print(f"\nwhole peak (parameters, gradients, optimizer state, activations, FSDP buffers, temporaries) measured / "
-          f"estimated: lowest-highest over the ranks (measured MiB, largest rank); target 0.9-1.1 on every rank")
+    specs = table_specs(models)
+    print("\nwhole peak (parameters, gradients, optimizer state, activations, FSDP buffers, temporaries) measured / "
+          "estimated: lowest-highest over the ranks (measured MiB, largest rank); target 0.9-1.1 on every rank")
     inside = total = 0
-    for model in TABLE_MODELS:
+    for model in models:
         print(f"\n{model}")
         print(f"{'layout':<14} " + " ".join(f"{ac:>22}" for ac in AC_MODES))
         for name in TABLE_LAYOUTS:
@@ -429,12 +442,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--layouts", default=";".join(LAYOUTS), help="';'-separated layouts (degrees or dotted config keys)")
     parser.add_argument("--table", action="store_true", help="every family x layout x AC mode (TABLE_MODELS, TABLE_LAYOUTS)")
+    parser.add_argument("--models", help="with --table: ';'-separated families of TABLE_MODELS (default: all)")
     parser.add_argument("--save", type=Path, help="write the measured bytes per layout and rank to this JSON file")
     parser.add_argument("--measured", type=Path, help="compare the estimator with the measurements of an earlier --save "
                         "instead of training again")  # fmt: skip
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="meshloom-memory-estimate-"))
-    specs = list(table_specs().values()) if args.table else args.layouts.split(";")
+    models = table_models(args.models)
+    specs = list(table_specs(models).values()) if args.table else args.layouts.split(";")
     if args.measured:
         saved = json.loads(args.measured.read_text())
         missing = [spec for spec in specs if spec not in saved]
@@ -447,8 +462,8 @@ def main() -> None:
         args.save.write_text(json.dumps(measured, indent=1))
     results = with_estimates(measured, args, workdir / "estimate")
     if args.table:
-        print_table(results, args)
-        print_peak_table(results)
+        print_table(results, args, models)
+        print_peak_table(results, models)
     else:
         print_layouts(specs, results, args)
 

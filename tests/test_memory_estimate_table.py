@@ -1,5 +1,5 @@
 """The memory estimator against tracked real runs: a slice of benchmarks/memory_estimate.py's table (every family, every
-activation-checkpointing mode, FSDP, TP, PP and EP, FSDP with checkpointing included) in one launch of 2 ranks, each
+activation-checkpointing mode, FSDP, TP, PP, EP and CP, FSDP with checkpointing included) in one launch of 2 ranks, each
 kind of memory and the whole peak."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ CELLS = [
     ("qwen3 MoE", "PP 2", "none"),  # a stage that ends in a MoE block peaks inside it
     ("deepseek_v3", "FSDP 2", "full"),  # the prediction block recomputed after the losses are freed, under FSDP
     ("deepseek_v3", "PP 2", "selective_op"),  # MLA on CPU: SDPA's math path keeps the softmax probabilities
-    ("qwen3_next", "TP 2", "none"),  # Gated DeltaNet's chunked rule on local heads, gated attention, shared-gated MoE
+    # Gated DeltaNet under state passing (wider states, padded chunks, the gathered pairs), gated attention, the
+    # shared-gated MoE, and FSDP's backward inside a checkpointed block (its MLP's gradients next to the mixer's).
+    ("qwen3_next", "CP 2", "selective_op"),
 ]
 # Activations may differ from the estimate by this factor either way; the table's cells are within 0.9-1.1 where
 # the model code is followed exactly (see benchmarks/RESULTS.md), routing imbalance between expert-parallel ranks aside.
@@ -37,8 +39,9 @@ def _benchmark() -> ModuleType:
 
 
 def test_estimate_matches_tracked_memory_across_families_and_ac_modes(tmp_path):
-    """Local shards of parameters, gradients and optimizer state exactly; the tracked activation peak (recomputation
-    included) within BOUND of the estimate on every rank, and the whole peak within PEAK_BOUND of the estimate's total."""
+    """Local shards of parameters, gradients and optimizer state exactly (on the busiest rank); the tracked activation
+    peak (recomputation included) within BOUND of the estimate on every rank, and the whole peak within PEAK_BOUND of
+    the estimate's total."""
     bench = _benchmark()
     table = bench.table_specs()
     specs = [table[cell] for cell in CELLS]
@@ -51,7 +54,10 @@ def test_estimate_matches_tracked_memory_across_families_and_ac_modes(tmp_path):
         for rank, result in enumerate(ranks):
             measured, estimated = result["measured"], result["estimated"]
             for kind in ("params", "grads", "optimizer"):
-                if measured[kind] != estimated[kind]:
+                # The estimate is the busiest rank's: rank 0 takes torch.chunk's larger piece of a dim 0 that does not
+                # split evenly (Qwen3-Next's [1, dim] shared-expert gate), the others no more than that.
+                exact = measured[kind] == estimated[kind] if rank == 0 else measured[kind] <= estimated[kind]
+                if not exact:
                     failures.append((cell, rank, kind, measured[kind], estimated[kind]))
             ratio = measured["activations"] / estimated["activations"]
             if not 1 / BOUND <= ratio <= BOUND:

@@ -55,6 +55,9 @@ class ShapeModel(ABC):
     top_k: int = 0
     # The sequence length when SDPA runs its math path (`with_math_attention`), 0 for a fused attention kernel.
     math_attention_seq_len: int = 0
+    # Context-parallel degree and sequence length the blocks run at (`with_context_parallel`); 1 and 0 without it.
+    cp: int = 1
+    cp_seq_len: int = 0
 
     # ------------------------------------------------------------------ what the family describes
 
@@ -120,6 +123,19 @@ class ShapeModel(ABC):
         transient = self.block_transient_bytes_per_token(layer, tp, ep, act_bytes)
         return none - (kept - block_input) - shared_input + transient
 
+    def block_mlp_params(self, layer: int) -> list[ParamShape]:
+        """The parameters of block `layer`'s MLP (or mixture of experts), the block's last part in forward and so the
+        first whose gradients its backward completes. Families that give them (with
+        `block_mixer_recompute_bytes_per_token`) let the estimate take the moment inside a checkpointed block's
+        backward when those gradients exist next to the token mixer's recomputed tensors; none by default."""
+        return []
+
+    def block_mixer_recompute_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """Bytes per token of block `layer`'s recomputation (checkpointed under `ac`) still alive once its MLP's
+        backward is done: both norms' and the token mixer's recomputed tensors, less the block input (kept by the
+        checkpoint) and what `ac` keeps; none by default (see `block_mlp_params`)."""
+        return 0.0
+
     def routed_transient_bytes_per_token(self, shared_hidden: int, tp: int, ep: int, act_bytes: int) -> float:
         """A sparse block's routed token copies that backward does not keep (top_k per token, a·dim bytes each), against
         the shared experts' SwiGLU (4·a·shared_hidden/tp), the only tensors the block keeps that are made after them:
@@ -139,6 +155,14 @@ class ShapeModel(ABC):
         kernel ignore it."""
         other = copy.copy(self)
         other.math_attention_seq_len = seq_len
+        return other
+
+    def with_context_parallel(self, cp: int, seq_len: int) -> ShapeModel:
+        """This model as its blocks run over `cp` context-parallel ranks on `seq_len`-token sequences (each rank holds
+        seq_len / cp tokens, in the load-balanced split's 2 chunks); families whose per-token bytes do not change
+        under context parallel ignore it."""
+        other = copy.copy(self)
+        other.cp, other.cp_seq_len = cp, seq_len
         return other
 
     def root_params(self, first: bool, last: bool) -> list[ParamShape]:

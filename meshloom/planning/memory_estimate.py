@@ -214,6 +214,10 @@ _recompute_peak = functools.lru_cache(maxsize=65536)(
     lambda shape, layer, mode, tp, a, ep: shape.block_recompute_bytes_per_token(layer, mode, tp, a, ep)
 )
 
+_mixer_recompute = functools.lru_cache(maxsize=65536)(
+    lambda shape, layer, mode, tp, a: shape.block_mixer_recompute_bytes_per_token(layer, mode, tp, a)
+)
+
 _BLOCK_KINDS: dict[tuple[ParamShape, ...], tuple[ParamShape, ...]] = {}
 
 
@@ -222,6 +226,18 @@ def cached_block_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]
     """A block's parameters, kept (a shape model is fixed once built), and the same object for equal blocks."""
     params = tuple(shape.block_params(layer))
     return _BLOCK_KINDS.setdefault(params, params)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_mlp_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
+    """A block's MLP parameters (`ShapeModel.block_mlp_params`), kept like the block's."""
+    return tuple(shape.block_mlp_params(layer))
+
+
+@functools.lru_cache(maxsize=256)
+def describes_mlp(shape: ShapeModel) -> bool:
+    """Whether the family gives its blocks' MLP parameters (`ShapeModel.block_mlp_params`)."""
+    return any(cached_mlp_params(shape, layer) for layer in range(shape.n_layers))
 
 
 @functools.lru_cache(maxsize=256)
@@ -233,6 +249,11 @@ def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[Para
 @functools.lru_cache(maxsize=64)
 def _with_math_attention(shape: ShapeModel, seq_len: int) -> ShapeModel:
     return shape.with_math_attention(seq_len)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_context_parallel(shape: ShapeModel, cp: int, seq_len: int) -> ShapeModel:
+    return shape.with_context_parallel(cp, seq_len)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -257,6 +278,8 @@ def estimate_memory(
     if precision.device == "cpu" and layout.cp == 1:
         # Context parallel's ring attention is meshloom's own (it keeps no probabilities) on every device.
         shape = _with_math_attention(shape, seq_len)
+    if layout.cp > 1:
+        shape = _with_context_parallel(shape, layout.cp, seq_len)
     tokens = layout.microbatch_size * seq_len / layout.cp
     a = precision.compute_bytes
     fsdp = layout.fsdp
@@ -378,6 +401,35 @@ def estimate_memory(
                 alive = max(alive, recompute_peak)
             unit_backward = (a + precision.reduce_dtype_bytes) * unit + FP32 * _split(unit, fsdp) + int(alive) + gathered
             backward_end = max(backward_end, unit_backward + (grads if accumulate else 0))
+            # Inside the backward of any checkpointed block (not only the last): once its MLP's backward is done, the
+            # MLP's unsharded gradients (a MoE block's experts, most of its unit) are alive next to the token mixer's
+            # recomputed tensors, the reduce-scatter buffer of the block after it (freed at the next reduce-scatter),
+            # the reduced shards of every later block and what the blocks before it keep (read off the tracker on
+            # Qwen3-Next's FSDP 2 cells, benchmarks/RESULTS.md; families without `block_mlp_params` add nothing).
+            # The block before it is gathered ahead (prefetched), except before the first block of a model part.
+            if describes_mlp(shape):
+                units = [whole[id(block)] for block in blocks]
+                part_starts = {ids[0] for ids in stage.stage_blocks if ids}
+                roots_gathered = a * local_numel(roots, layout, fsdp=1)
+                reduced_after = [0] * (len(units) + 1)  # the reduced shards of the blocks after each position
+                for position in reversed(range(len(units))):
+                    reduced_after[position] = reduced_after[position + 1] + _split(units[position], fsdp)
+                kept_so_far = 0.0
+                for position, (layer, mode, kept) in enumerate(zip(stage.block_ids, modes, per_layer)):
+                    kept_so_far += kept
+                    mlp = local_numel(cached_mlp_params(shape, layer), layout, fsdp=1)
+                    if mode == "none" or not mlp:
+                        continue
+                    next_unit = units[position + 1] if position + 1 < len(units) else 0
+                    prefetched = units[position - 1] if position and layer not in part_starts else 0
+                    in_block = block_bytes * (units[position] + prefetched) + roots_gathered
+                    mixer = _mixer_recompute(shape, layer, mode, layout.tp, a)
+                    held = stage.inflight * tokens * (kept_so_far + first_root) + tokens * mixer
+                    mid_block = (
+                        a * mlp + precision.reduce_dtype_bytes * next_unit + FP32 * reduced_after[position + 1]
+                        + int(held) + (in_block if layout.reshard_after_forward else gathered)
+                    )  # fmt: skip
+                    backward_end = max(backward_end, mid_block + (grads if accumulate else 0))
         # The optimizer step: on CPU meshloom runs AdamW's foreach implementation, whose square roots of the second
         # moments are one more fp32 copy of every AdamW-updated parameter, alive next to the gradients (measured by
         # the whole-peak table, benchmarks/RESULTS.md); on CUDA the fused kernels make none.

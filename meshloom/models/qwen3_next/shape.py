@@ -10,6 +10,8 @@ saved once per 64-token chunk for backward.
 
 from __future__ import annotations
 
+import math
+
 from meshloom.models.qwen3.shape import Qwen3Shape
 from meshloom.models.qwen3_next.model import Qwen3NextArgs
 from meshloom.models.shape import FP32, ParamShape
@@ -77,15 +79,51 @@ class Qwen3NextShape(Qwen3Shape):
         kd, vd, nv = self._linear_sizes()
         dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
         qkv = 2 * kd + vd
-        projections = a * (qkv + vd + 2 * nv)  # q, k, v, z, b, a
+        # q, k, v (the convolution keeps their concatenation), z, b, a.
+        projections = a * (qkv + vd + 2 * nv)
         conv = 2 * a * qkv  # convolution output and its SiLU
-        l2 = (FP32 + a) * 2 * kd + a * 2 * nv * dk  # float32 copies, normalised q/k, repeated to the value heads
+        # The L2 norm's float32 copies of q and k (in float32 the SiLU's output itself); the normalised and repeated
+        # q and k are not kept: the rule keeps its own float32 copies of them.
+        l2 = FP32 * 2 * kd if a != FP32 else 0.0
         gates = 4 * FP32 * nv  # g, its softplus input, beta
-        # The chunked rule: float32 q, k, v and their decayed/corrected copies, a chunk's pairwise scores per token,
-        # and the state saved once per chunk.
-        rule = 3 * FP32 * (2 * nv * dk + nv * dv) + 2 * FP32 * nv * CHUNK + FP32 * nv * dk * dv / CHUNK
-        output = a * vd + 2 * FP32 * vd + 2 * a * vd  # rule output, norm's float32 copy, silu(z), normed, product
+        rule = self._rule_bytes(nv, dk, dv) if self.cp == 1 else self._state_passing_rule_bytes(nv, dk, dv)
+        output = self._gated_output_bytes(a)
         return (projections + conv + l2 + gates + rule + output) / tp, (projections + a * vd) / tp
+
+    def _gated_output_bytes(self, a: int) -> float:
+        """What a Gated DeltaNet layer keeps per token after its rule, on all heads: the norm's float32 copy of the rule
+        output (the rule output itself in float32), silu(z) in float32, the normalised output and the gated product."""
+        vd = self._linear_sizes()[1]
+        return (a * vd if a != FP32 else 0.0) + 2 * FP32 * vd + 2 * a * vd
+
+    @staticmethod
+    def _rule_bytes(nv: int, dk: int, dv: int, wide: int = 0) -> float:
+        """What the chunked rule (`chunked_scan`) keeps per token, counted tensor by tensor from the code, on `nv` value
+        heads of dk key and dv value channels, its state `wide` columns wider (state passing), all float32: q, k, v
+        (padded copies), k_beta, its decayed copy, the corrected keys, the decayed queries, the transposed key copies,
+        the keys to the chunk end and the per-chunk copies of them and of the decayed queries (10 dk); v times beta,
+        the corrected values and each token's state update (3 dv, the update wide); the pairwise decays and their
+        strictly lower copy, the key products, the triangular system, the query-key products and the per-chunk copies
+        of the scores (6 chunk columns); the state once per chunk; the per-token decays and gates the rule derives
+        (7)."""
+        per_head = 10 * dk + 3 * dv + wide + 6 * CHUNK + dk * (dv + wide) / CHUNK + 7
+        return FP32 * nv * per_head
+
+    def _state_passing_rule_bytes(self, nv: int, dk: int, dv: int) -> float:
+        """The chunked rule's bytes per token under context parallel's state passing (meshloom.parallel.state_passing),
+        on `nv` value heads. Each of a rank's 2 chunks (seq_len / 2cp tokens) runs from the state [0 | I], so the
+        tensors that carry the state's columns are dk columns wider (each token's update and the state saved per
+        chunk, `_rule_bytes`'s `wide`); a chunk shorter than CHUNK is padded up to it. The
+        correction's einsum keeps a copy of the readout rows R_t (dk per value head). Per sequence: the gathered
+        (B, T) pairs of all 2cp chunks, the incoming states the scan's matmuls keep and the rank's 2 the correction
+        keeps."""
+        chunks = 2 * self.cp
+        chunk_len = self.cp_seq_len / chunks
+        padded = CHUNK * math.ceil(chunk_len / CHUNK) / chunk_len
+        readout = FP32 * nv * dk
+        pairs = chunks * FP32 * nv * dk * (dv + dk)
+        states = (chunks - 1 + 2) * FP32 * nv * dk * dv
+        return padded * self._rule_bytes(nv, dk, dv, wide=dk) + readout + (pairs + states) / (self.cp_seq_len / self.cp)
 
     def block_activation_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
         """Two zero-centred norms, the token mixer (`_mixer_bytes`), then as Qwen3's MLP: a sparse block's routed
@@ -104,21 +142,47 @@ class Qwen3NextShape(Qwen3Shape):
             router = FP32 * (args.moe.n_experts + 1) if moe else 0
             return block_input + matmuls + router
         assert ac == "none", ac
-        norms = 2 * ((FP32 * d + a * d) / tp + a * d)
+        norms = self._norm_bytes(tp, a)
         mlp = 4 * a * ffn / tp
         if moe:
             mlp += self.routed_activation_bytes_per_token(a) + (a * d + 2 * FP32 if args.moe.shared_gate else 0)
         return norms + mixer + mlp
 
+    def _norm_bytes(self, tp: int, a: int) -> float:
+        """The two zero-centred norms: a float32 copy of the input and the normalised output (on the local sequence
+        shard under tp), and the output gathered for the next matmul."""
+        d = self.args.dim
+        return 2 * ((FP32 * d + a * d) / tp + a * d)
+
+    def block_mlp_params(self, layer: int) -> list[ParamShape]:
+        """What `block_params` lists after the token mixer and the MLP's norm."""
+        return self.block_params(layer)[len(self._mixer_params(layer)) + 2 :]
+
+    def block_mixer_recompute_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """Both norms and the token mixer as mode "none" keeps them (`_mixer_bytes`), less the block input (the norm's
+        float32 copy of it in float32) and, under selective_op, the mixer's kept matmul outputs."""
+        a = act_bytes
+        mixer, mixer_matmuls = self._mixer_bytes(layer, tp, a)
+        kept = mixer_matmuls if ac == "selective_op" else 0.0
+        block_input = a * self.args.dim / tp if a == FP32 else 0.0
+        return self._norm_bytes(tp, a) + mixer - kept - block_input
+
     def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
-        """A MoE block's routed token copies (`Qwen3Shape`), plus in a Gated DeltaNet block the chunked rule's
-        short-lived float32 tensors: the unmasked and unexponentiated pairwise decays and scores of a chunk (4 x CHUNK
-        per value head) and the per-chunk products of keys and values with the state."""
-        transient = super().block_transient_bytes_per_token(layer, tp, ep, act_bytes)
-        if self.args.is_linear_layer(layer):
-            a = self.args
-            transient += FP32 * a.linear_n_value_heads * (4 * CHUNK + a.linear_key_head_dim + a.linear_value_head_dim) / tp
-        return transient
+        """A MoE block's routed token copies (`Qwen3Shape`), or in a Gated DeltaNet block the chunked rule's short-lived
+        float32 tensors (the unmasked and unexponentiated pairwise decays, the masked key products and the scores before
+        scaling: 4 x CHUNK per value head; a chunk's products of keys and queries with the state) less what the block
+        keeps that is made after them (the gated output, the MLP's norm and the MLP), whichever is larger: the two
+        are not alive at once."""
+        routed = super().block_transient_bytes_per_token(layer, tp, ep, act_bytes)
+        if not self.args.is_linear_layer(layer):
+            return routed
+        a = self.args
+        rule = FP32 * a.linear_n_value_heads * (4 * CHUNK + a.linear_key_head_dim + a.linear_value_head_dim) / tp
+        # Of what mode "none" keeps, all but the attention norm and the mixer before its gated output.
+        none = self.block_activation_bytes_per_token(layer, "none", tp, act_bytes)
+        mixer, norm = self._mixer_bytes(layer, tp, act_bytes)[0], self._norm_bytes(tp, act_bytes) / 2
+        after = none - norm - mixer + self._gated_output_bytes(act_bytes) / tp
+        return max(routed, rule - after)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Full-attention blocks: the full-square convention (12·heads·head_dim·seq). Gated DeltaNet blocks, forward
