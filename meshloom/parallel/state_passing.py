@@ -99,9 +99,10 @@ class StatePassingCore:
     model uses (`resolve()`, `rank_chunks(rank)`, `chunks_per_rank`, `num_chunks`, `cp`); document_ids [b,
     shard_len] is this rank's shard of the batch's ids."""
 
-    def __init__(self, group: dist.ProcessGroup, layout: Layout):
+    def __init__(self, group: dist.ProcessGroup, layout: Layout, chunk_size: int = 64):
         self.group = group
         self.layout = layout
+        self.chunk_size = chunk_size  # the chunked rule's own chunks inside each context-parallel chunk
         self.rank = dist.get_rank(group)
         self.bytes_sent = BytesSent()
         # The latest batch's gathered document edges by tail width (see _gathered_edges).
@@ -118,7 +119,8 @@ class StatePassingCore:
         ids = None if document_ids is None else _as_chunks(document_ids, per_rank)
         start = torch.zeros(per_rank * b, h, dk, dv + dk, device=q.device)
         start[..., dv:] = torch.eye(dk, device=q.device)
-        out, final = chunk_gated_delta_rule(*chunks, scale=scale, initial_state=start, document_ids=ids)
+        out, final = chunk_gated_delta_rule(*chunks, scale=scale, initial_state=start, document_ids=ids,
+                                            chunk_size=self.chunk_size)
         # Rank-major, shard order: [cp * per_rank, b, h, dk, dv + dk] = every chunk's [B | T].
         pairs = all_gather_rows(final.unflatten(0, (per_rank, b)), self.group, self.bytes_sent)
         starts_document = None if document_ids is None else self._starts_document(document_ids, layout, 1)
