@@ -31,6 +31,13 @@ MODES: dict[str, list[str]] = {
     "compile": ["--compile.enable", "true"],
     "compile_float8": ["--compile.enable", "true", "--float8.enable", "true"],
     "compile_selective_ac": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective_op"],
+    # The families' own CUDA paths, each on a model of its own (so their ratios are not against the first mode's):
+    # gpt-oss's compiled FlexAttention (windows and sinks; 4 of 20B's 24 blocks), and Qwen3-Next's Gated DeltaNet
+    # through flash-linear-attention's kernels on its debug flavour (the [fla] extra; without it the plain-torch rule
+    # runs, and the row's model says which; the debug model holds 2,048 positions, the 80B's 4 smallest blocks would
+    # not fit AdamW's state in one GPU).
+    "gpt_oss_flex_compile": ["--model.name", "gpt_oss", "--model.flavor", "20B", "--model.n_layers", "4", "--compile.enable", "true"],
+    "qwen3_next_fla": ["--model.name", "qwen3_next", "--model.flavor", "debug", "--training.seq_len", "2048"],
 }
 
 
@@ -75,9 +82,15 @@ def run_mode(args: argparse.Namespace, mode: str, batch: int, out: Path) -> dict
     tokens_per_s = trainer.tokens_per_step * args.steps / elapsed
     tflops = tokens_per_s * trainer.throughput.flops_per_token / 1e12
     peak = trainer.throughput.peak_flops_per_second
+    from meshloom.models.common.gated_delta import _fla_ops
+
+    model = trainer.config.model
+    fla = " (fla kernels)" if model.name == "qwen3_next" and device.type == "cuda" and _fla_ops() is not None else ""
     return {
         "mode": mode,
         "status": "ok",
+        "model": f"{model.name} {model.flavor}" + (f", {model.n_layers} blocks" if model.n_layers else "")
+        + f", seq {trainer.config.training.seq_len}{fla}",
         "batch": batch,
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
@@ -132,7 +145,7 @@ def environment(args: argparse.Namespace) -> dict:
         "date": datetime.date.today().isoformat(),
         "device": gpu,
         "torch": torch.__version__,
-        "config": f"llama3 {args.flavor}, seq {args.seq_len}, batch {args.batch}, bf16, AdamW, "
+        "config": f"batch {args.batch}, bf16, AdamW, "
         f"{args.warmup} warm-up + {args.steps} timed steps",
     }
 
@@ -141,17 +154,19 @@ def results_table(env: dict, results: list[dict]) -> str:
     lines = [
         f"Date: {env['date']}; device: {env['device']}; torch {env['torch']}; {env['config']}",
         "",
-        "| mode | batch | tokens/s | vs first | TFLOP/s | MFU | peak GiB | final loss |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | model | batch | tokens/s | vs first of its model | TFLOP/s | MFU | peak GiB | final loss |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    base = next((r for r in results if r["status"] == "ok"), None)
+    bases: dict[str, dict] = {}
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['batch']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['mode']} | | {r['batch']} | {r['status']} | | | | | |")
             continue
+        base = bases.setdefault(r["model"], r)
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         lines.append(
-            f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+            f"| {r['mode']} | {r['model']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
             f"{r['tflops']:.3g} | {mfu} | {r['peak_memory_gib']:.1f} | {r['final_loss']:.3f} |"
         )
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Throughput of Llama 3.2 3B on one GPU with AdamW, in four modes: eager bf16, compile, compile + Float8,
-# compile + selective activation checkpointing. Sized for one H200 in under 8 minutes (each mode is cut off
-# after MODE_TIMEOUT seconds). Writes <OUT>/gpu_throughput.md (the table) and .json, plus one log per mode.
+# Throughput on one GPU with AdamW: Llama 3.2 3B in four modes (eager bf16, compile, compile + Float8, compile +
+# selective activation checkpointing), then each family's own CUDA path (gpt-oss's compiled FlexAttention, Qwen3-Next's
+# Gated DeltaNet through flash-linear-attention). Sized for one H200 in under 8 minutes (each of the six modes is cut
+# off after MODE_TIMEOUT seconds). Writes <OUT>/gpu_throughput.md (the table) and .json, plus one log per mode.
 #
 #   benchmarks/gpu_throughput.sh                       # defaults below
 #   benchmarks/gpu_throughput.sh --batch 1 --steps 20  # any benchmarks/gpu_throughput.py option
@@ -13,7 +14,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 OUT=${OUT:-benchmarks/results/$(date +%Y%m%d-%H%M%S)}
-MODE_TIMEOUT=${MODE_TIMEOUT:-105}
+MODE_TIMEOUT=${MODE_TIMEOUT:-75}
 # Compiled kernels land in this cache, so a second run skips most compilation.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

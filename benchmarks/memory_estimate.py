@@ -67,15 +67,17 @@ LAYOUTS = [
 # Largest allowed |measured / estimated - 1|: parameters, gradients and optimizer state are counted exactly.
 TARGETS = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.20, "peak": 0.10}
 
-# The table (--table): each family at a small shape (2 blocks; the MoE families' second block is sparse, DeepSeek-V3's
-# prediction module is a third), under every layout its shape allows and each activation-checkpointing mode.
+# The table (--table): each family at a small shape (2 blocks, Qwen3-Next 4; the MoE families' second block is sparse,
+# DeepSeek-V3's prediction module is a third), under every layout its shape allows and each activation-checkpointing mode.
 TABLE_MODELS = {
     "llama3": "model.name=llama3,model.flavor=debug,model.n_layers=2",
     "qwen3": "model.name=qwen3,model.flavor=debug,model.n_layers=2",
     "qwen3 MoE": "model.name=qwen3,model.flavor=debug_moe,model.n_layers=2",
     "deepseek_v3": "model.name=deepseek_v3,model.flavor=debug,model.n_layers=2",
+    # Four blocks: three Gated DeltaNet and one gated attention, every one sparse.
+    "qwen3_next": "model.name=qwen3_next,model.flavor=debug,model.n_layers=4",
 }
-MOE_MODELS = ("qwen3 MoE", "deepseek_v3")
+MOE_MODELS = ("qwen3 MoE", "deepseek_v3", "qwen3_next")
 TABLE_LAYOUTS = {
     "1 process": "",
     "FSDP 2": "dp_shard=2",

@@ -5,28 +5,36 @@ per GPU and peak memory for the layout each source states, against the published
 
 Pure arithmetic (shape models, memory and step-time estimators); no GPU, no process group. Each row names its source;
 where a source leaves a setting out, the assumption is named in `note`. The compute rate of each row is the MFU its
-source logged (`mfu_basis` says where), else the planner's default 0.4 with the reason. A logged MFU counts model
-FLOPs, while the step-time model runs executed FLOPs (full checkpointing's second forward included) at `Cluster.mfu`,
-so the logged figure is scaled by executed / model FLOPs of the row's layout.
+source logged (`mfu_basis` says where), else the planner's default 0.4 with the reason. An MFU counts model FLOPs (both
+torchtitan's, which the default stands on, and the logged ones), while the step-time model runs executed FLOPs (full
+checkpointing's second forward included) at `Cluster.mfu`, so the figure is scaled by executed / model FLOPs of the
+row's layout.
+
+Memory: the estimate's peak counts tensors, as `torch.cuda.max_memory_reserved()` (what torchtitan logs) counts the
+caching allocator's segments, which torchtitan's launcher grows page by page (expandable segments); the CUDA context
+and NCCL's buffers lie outside both and enter the fit rule only (meshloom.planning.gpu_memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from dataclasses import dataclass
 
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.planning.comm_estimate import step_flops
+from meshloom.planning.gpu_memory import device_bytes
 from meshloom.planning.layout import Layout, Precision
 from meshloom.planning.memory_estimate import GIB, estimate_memory
 from meshloom.planning.step_time import Cluster, StepTime, step_time
 
 TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
+# The torchtitan commit those runs name (its "Versions and Dates"): the defaults the table leaves unstated are its.
+TITAN_COMMIT = "https://github.com/pytorch/torchtitan/tree/9dec370ad26b5f8e9a7333a0e36165018262644b"
 TITAN_DSV3 = "https://github.com/pytorch/torchtitan/issues/1789"
 AUTOMODEL = "https://docs.nvidia.com/nemo/automodel/latest/performance-summary.html"
-AUTOMODEL_HIGHLIGHTS = "https://docs.nvidia.com/nemo/automodel/latest/about/key-features.html"
 DEEPSEEK_V3 = "https://arxiv.org/abs/2412.19437"
 # The planner's default compute rate (meshloom plan --mfu) and why it stands where a source logged none: torchtitan
 # states 33-39% MFU for its bf16 Llama 3.1 8B runs on these H100s, with and without compile.
@@ -38,6 +46,13 @@ H100_BF16_TFLOPS = 989.0
 # docs/performance.md: "NVIDIA H100 GPUs with 95 GiB memory"); NeMo's DGX-H100 and DeepSeek's H800 have 80 GB parts.
 TITAN_GPU_GIB = 95.0
 H100_80_GIB = 80.0
+# H800 links, bytes/s per GPU: NVLink 160 GB/s and InfiniBand 50 GB/s (DeepSeek-V3 report, section 3.2.2).
+H800_BANDWIDTH = (160e9, 50e9)
+# torchtitan at that commit: pipeline_parallel_microbatches defaults to the pipeline degree
+# (torchtitan/parallelisms/pipeline_llama.py), and its split gives the first and last stage base = layers // stages
+# blocks and the middle stages one more each while layers remain (pipelining_utils.generate_split_points).
+TITAN_405B_SPLIT_1F1B = (15, 16, 16, 16, 16, 16, 16, 15)
+TITAN_405B_SPLIT_INTERLEAVED = (7,) + (8,) * 14 + (7,)
 
 
 @dataclass(frozen=True)
@@ -72,68 +87,110 @@ class Run:
     gpu_memory_gib: float = H100_80_GIB
     # How the run's expert all-to-all is timed (Cluster.expert_comm): DeepEP and DualPipe overlap it.
     expert_comm: str = "overlapped"
+    # The source's selective checkpointing is torchtitan's op policy, which recomputes every second matmul
+    # (`titan_op_policy`), not meshloom's selective_op, which keeps them all.
+    titan_op_sac: bool = False
+    # The source states no checkpointing mode meshloom has (none, or its own recomputation): compared with the lightest
+    # mode that fits under the fit rule (none, then selective_op, then full), as a planner would have to run it.
+    ac_open: bool = False
+    # Per-GPU link bandwidths (inside a node, between nodes) where they are not the H100's (Cluster.bandwidth).
+    bandwidth: tuple[float, float] | None = None
 
 
 def _run(name, model, flavor, gpus, seq, tps, source, note="", mfu=None, mfu_basis=DEFAULT_MFU_BASIS, memory=None,
-         gpu_gib=H100_80_GIB, **layout) -> Run:  # fmt: skip
-    return Run(name, model, flavor, gpus, seq, Layout(**layout), tps, source, note, mfu, mfu_basis, memory, gpu_gib)
+         gpu_gib=H100_80_GIB, titan_op_sac=False, ac_open=False, bandwidth=None, **layout) -> Run:  # fmt: skip
+    return Run(name, model, flavor, gpus, seq, Layout(**layout), tps, source, note, mfu, mfu_basis, memory, gpu_gib,
+               titan_op_sac=titan_op_sac, ac_open=ac_open, bandwidth=bandwidth)  # fmt: skip
 
+
+TITAN_SAC = "table 1: selective AC (torchtitan's op policy, every second matmul recomputed), local batch 2"
+TITAN_PP = ("table 5: local batch 32 as 8 microbatches of 4 (torchtitan's default: as many as the pipeline degree), "
+            "torchtitan's stage split, FSDP not resharding after forward under PP, full AC, Float8, async TP")  # fmt: skip
 
 RUNS = [
-    _run("Llama 3.1 8B, FSDP 8, compile + Float8", "llama3", "8B", 8, 8192, 8532, TORCHTITAN, "table 1, selective AC",
-         memory=76.8, gpu_gib=TITAN_GPU_GIB, dp_shard=8, ac="selective_op", microbatch_size=2, float8=True),
-    _run("Llama 3.1 8B, FSDP 8, compile (bf16)", "llama3", "8B", 8, 8192, 6667, TORCHTITAN, "table 1",
-         memory=77.0, gpu_gib=TITAN_GPU_GIB, dp_shard=8, ac="selective_op", microbatch_size=2),
-    _run("Llama 3.1 70B, FSDP 32 x TP 8, Float8", "llama3", "70B", 256, 8192, 829, TORCHTITAN, "table 4, full AC, no async TP",
+    _run("Llama 3.1 8B, FSDP 8 (eager)", "llama3", "8B", 8, 8192, 5762, TORCHTITAN, TITAN_SAC, memory=82.4,
+         gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2),
+    _run("Llama 3.1 8B, FSDP 8, compile (bf16)", "llama3", "8B", 8, 8192, 6667, TORCHTITAN, TITAN_SAC + "; compile",
+         memory=77.0, gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2),
+    _run("Llama 3.1 8B, FSDP 8, compile + Float8", "llama3", "8B", 8, 8192, 8532, TORCHTITAN, TITAN_SAC + "; compile",
+         memory=76.8, gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2,
+         float8=True),
+    _run("Llama 3.1 70B, FSDP 32 x TP 8, Float8", "llama3", "70B", 256, 8192, 829, TORCHTITAN,
+         "table 4: local batch 16 in one forward (no accumulation at that commit), full AC, compile, no async TP",
          memory=71.9, gpu_gib=TITAN_GPU_GIB, dp_shard=32, tp=8, ac="full", microbatch_size=16, float8=True),
-    _run("Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B", "llama3", "405B", 512, 8192, 100, TORCHTITAN,
-         "table 5, full AC, Float8, async TP; microbatch 1 assumed", memory=82.5, gpu_gib=TITAN_GPU_GIB, dp_shard=8, tp=8,
-         pp=8, ac="full", microbatch_size=1, microbatches=32, float8=True),
+    _run("Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B", "llama3", "405B", 512, 8192, 100, TORCHTITAN, TITAN_PP,
+         memory=82.5, gpu_gib=TITAN_GPU_GIB, dp_shard=8, tp=8, pp=8, ac="full", microbatch_size=4, microbatches=8,
+         stage_layer_counts=TITAN_405B_SPLIT_1F1B, reshard_after_forward=False, float8=True),
     _run("Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, Interleaved 1F1B", "llama3", "405B", 512, 8192, 128, TORCHTITAN,
-         "table 5; 2 stages per rank, microbatch 1 assumed", memory=72.7, gpu_gib=TITAN_GPU_GIB, dp_shard=8, tp=8, pp=8,
-         ac="full", microbatch_size=1, microbatches=32, pipeline_schedule="Interleaved1F1B", stages_per_rank=2, float8=True),
+         TITAN_PP + "; 2 stages per rank", memory=72.7, gpu_gib=TITAN_GPU_GIB, dp_shard=8, tp=8, pp=8, ac="full",
+         microbatch_size=4, microbatches=8, pipeline_schedule="Interleaved1F1B", stages_per_rank=2,
+         stage_layer_counts=TITAN_405B_SPLIT_INTERLEAVED, reshard_after_forward=False, float8=True),
     _run("DeepSeek-V3 16B, FSDP 8 x EP 8", "deepseek_v3", "16B", 8, 4096, 11636, TITAN_DSV3,
          "step-10 log line; local batch 4 and full AC assumed", mfu=0.205, mfu_basis="logged: 20.5% MFU (torchtitan's count)",
          dp_shard=8, ep=8, ac="full", microbatch_size=4),
-    _run("Qwen3-30B-A3B, FSDP 8 x EP 8 (NeMo AutoModel)", "qwen3", "30B-A3B", 8, 4096, 11842, AUTOMODEL_HIGHLIGHTS,
-         "MBS 4, GA 16 (performance summary), TE + DeepEP; AC unstated: the lightest mode that fits, else full",
-         mfu=212 / H100_BF16_TFLOPS, mfu_basis="logged: 212 model TFLOP/s per GPU", dp_shard=8, ep=8, ac="none",
-         microbatch_size=4, microbatches=16, grad_accum_steps=16),
+    _run("Qwen3-30B-A3B, FSDP 8 x EP 8 (NeMo AutoModel)", "qwen3", "30B-A3B", 8, 4096, 12040, AUTOMODEL,
+         "MBS 4, GA 16, TE + DeepEP; AC unstated", mfu=277 / H100_BF16_TFLOPS,
+         mfu_basis="logged: 277 model TFLOP/s per GPU", ac_open=True, dp_shard=8, ep=8, microbatch_size=4,
+         microbatches=16, grad_accum_steps=16),
     _run("DeepSeek-V3 671B, PP 4 x EP 64, 256 GPUs (NeMo AutoModel)", "deepseek_v3", "671B", 256, 4096, 1002, AUTOMODEL,
-         "VP 8 as Interleaved1F1B with 8 stages per rank, LBS 8, full AC assumed", mfu=250 / H100_BF16_TFLOPS,
-         mfu_basis="logged: 250 model TFLOP/s per GPU (" + AUTOMODEL_HIGHLIGHTS + ")", dp_shard=64, pp=4, ep=64, ac="full",
-         microbatch_size=1, microbatches=8, pipeline_schedule="Interleaved1F1B", stages_per_rank=8),
+         "VP 8 as Interleaved1F1B with 8 stages per rank, LBS 8 as 8 microbatches of 1, GA 1, TE + DeepEP; AC unstated",
+         mfu=250 / H100_BF16_TFLOPS, mfu_basis="logged: 250 model TFLOP/s per GPU", ac_open=True, dp_shard=64, pp=4,
+         ep=64, microbatch_size=1, microbatches=8, pipeline_schedule="Interleaved1F1B", stages_per_rank=8),
     _run("DeepSeek-V3 671B, PP 16 x EP 64, 2,048 H800 (DeepSeek)", "deepseek_v3", "671B", 2048, 4096, 1543, DEEPSEEK_V3,
          "180K H800 GPU-hours per trillion tokens (section 1); DualPipe as DualPipeV, batch 15,360 (its final), FP8 "
-         "(meshloom's Float8: dense linears only), selective recomputation; microbatch 1 assumed",
-         mfu_basis="planner default 0.4 (the report logs no MFU)", dp_shard=128, pp=16, ep=64, ac="selective_op",
-         microbatch_size=1, microbatches=120, pipeline_schedule="DualPipeV", stages_per_rank=2, float8=True),
+         "(meshloom's Float8: dense linears only), H800 links; its recomputation (RMSNorm, MLA up-projections) and FP8 "
+         "activation caching are not meshloom modes; microbatch 1 assumed", mfu_basis="planner default 0.4 (the report "
+         "logs no MFU)", ac_open=True, bandwidth=H800_BANDWIDTH, dp_shard=128, pp=16, ep=64, microbatch_size=1,
+         microbatches=120, pipeline_schedule="DualPipeV", stages_per_rank=2, float8=True),
 ]
 
 
+def titan_op_policy(shape: ShapeModel) -> ShapeModel:
+    """`shape` with selective_op as torchtitan's op policy keeps a block (torchtitan/parallelisms/parallelize_llama.py
+    at TITAN_COMMIT: every aten.mm output is saved except every second one of a block, attention's outputs and the
+    reduce-scatters are saved). The block's dense matrices, in the order its forward multiplies them (Llama 3:
+    wq, wk, wv, wo, w1, w3, w2), lose the outputs of the 2nd, 4th, 6th: a column-parallel one its 1/tp share, a
+    row-parallel one its full-size partial sum (its reduce-scattered result stays saved)."""
+    kept = shape.block_activation_bytes_per_token
+
+    def block_activation_bytes_per_token(layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        saved = kept(layer, ac, tp, act_bytes)
+        if ac != "selective_op":
+            return saved
+        matrices = [p for p in shape.block_params(layer) if len(p.shape) == 2 and not p.expert]
+        recomputed = sum(act_bytes * (p.shape[0] / tp if p.tp_dim == 0 else p.shape[0]) for p in matrices[1::2])
+        return saved - recomputed
+
+    titan = copy.copy(shape)
+    titan.block_activation_bytes_per_token = block_activation_bytes_per_token  # type: ignore[method-assign]
+    return titan
+
+
 def shape_of(run: Run) -> ShapeModel:
-    return get_model_spec(run.model).shape_model(get_model_args(run.model, run.flavor))
+    shape = get_model_spec(run.model).shape_model(get_model_args(run.model, run.flavor))
+    return titan_op_policy(shape) if run.titan_op_sac else shape
 
 
 def compared_layout(run: Run, shape: ShapeModel) -> Layout:
-    """The row's layout; for a row whose AC mode the source leaves open (Qwen3), the lightest recomputation the memory
-    estimate fits under the headroom rule (none, then selective_op, then full), or full where none fits."""
-    if run.name.startswith("Qwen3"):
+    """The row's layout; for a row whose checkpointing is not one of meshloom's modes (`Run.ac_open`), the lightest
+    mode that fits under the fit rule (none, then selective_op, then full), or full where none fits."""
+    if run.ac_open:
         for ac in ("none", "selective_op", "full"):
             layout = dataclasses.replace(run.layout, ac=ac)
-            if estimate_memory(shape, layout, run.seq_len, Precision("bf16")).peak <= cluster_of(run, layout, shape).usable_bytes:
+            peak = estimate_memory(shape, layout, run.seq_len, Precision("bf16")).peak
+            if cluster_of(run, layout, shape).fits(peak, layout):
                 return layout
         return dataclasses.replace(run.layout, ac="full")
     return run.layout
 
 
 def cluster_of(run: Run, layout: Layout, shape: ShapeModel, mfu: float | None = None) -> Cluster:
-    """The run's GPUs, at the source's logged MFU turned into the executed-FLOP rate of `layout` (or at `mfu`)."""
-    if mfu is None and run.mfu is not None:
+    """The run's GPUs, at the MFU (logged, else the planner default) turned into the executed-FLOP rate of `layout`,
+    or at `mfu` as given."""
+    if mfu is None:
         model, executed = step_flops(shape, layout, run.seq_len)
-        mfu = run.mfu * executed / model
-    rate = PLANNER_MFU if mfu is None else mfu
-    return Cluster(run.gpus, 8, run.gpu_memory_gib, mfu=rate, expert_comm=run.expert_comm)
+        mfu = (run.mfu or PLANNER_MFU) * executed / model
+    return Cluster(run.gpus, 8, run.gpu_memory_gib, mfu=mfu, expert_comm=run.expert_comm, bandwidth=run.bandwidth)
 
 
 @dataclass(frozen=True)
@@ -144,10 +201,12 @@ class Prediction:
     layout: Layout
     # The step-time breakdown.
     time: StepTime
-    # Estimated peak memory per GPU, GiB (allocated by the estimate's count) and on which pipeline rank.
+    # Estimated tensor peak per GPU, GiB, and on which pipeline rank.
     peak_gib: float
     stage: int
-    # Whether the peak fits the planner's headroom rule on the run's GPUs.
+    # The peak with the CUDA context and NCCL's buffers (meshloom.planning.gpu_memory), GiB.
+    device_gib: float
+    # Whether it fits the planner's rule (Cluster.fits) on the run's GPUs.
     fits: bool
 
 
@@ -158,17 +217,20 @@ def predict(run: Run, mfu: float | None = None) -> Prediction:
     cluster = cluster_of(run, layout, shape, mfu)
     time = step_time(shape, layout, run.seq_len, Precision("bf16"), cluster)
     memory = estimate_memory(shape, layout, run.seq_len, Precision("bf16"))
-    return Prediction(layout, time, memory.peak / GIB, memory.stage, memory.peak <= cluster.usable_bytes)
+    device = device_bytes(memory.peak, layout)
+    return Prediction(layout, time, memory.peak / GIB, memory.stage, device / GIB, cluster.fits(memory.peak, layout))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mfu", type=float, help="one compute rate for every row instead of each row's")
     args = parser.parse_args()
-    print(f"H100 SXM bf16 dense {H100_BF16_TFLOPS:g} TFLOP/s, nvlink_ib (300 / 45 GB/s per GPU); expert all-to-all overlapped "
-          "with the expert matmuls (DeepEP / DualPipe); memory: the estimate's peak (allocated) against the published "
-          "figure; fits: peak <= 0.9 x the GPU's memory")  # fmt: skip
-    print(f"{'run':<56} {'pub tok/s':>9} {'pred':>7} {'ratio':>5} {'mfu':>5} {'pub GiB':>7} {'est GiB':>7} {'ratio':>5} {'fits':>4}  notes")
+    print(f"H100 SXM bf16 dense {H100_BF16_TFLOPS:g} TFLOP/s, nvlink_ib (300 / 45 GB/s per GPU; H800 rows 160 / 50); expert "
+          "all-to-all overlapped (DeepEP: behind the expert matmuls; DualPipe: behind all compute); mfu: the executed-FLOP "
+          "rate; memory: the estimate's tensor peak against the published figure (torchtitan: max reserved); device: with "
+          "the CUDA context and NCCL's buffers; fits: device <= 0.9 x the GPU's memory")  # fmt: skip
+    print(f"{'run':<56} {'pub tok/s':>9} {'pred':>7} {'ratio':>5} {'mfu':>5} {'pub GiB':>7} {'est GiB':>7} {'ratio':>5} "
+          f"{'device':>6} {'fits':>4}  notes")  # fmt: skip
     for run in RUNS:
         p = predict(run, args.mfu)
         ratio = p.time.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu
@@ -176,12 +238,12 @@ def main() -> None:
         pub = f"{run.memory_gib:7.1f}" if run.memory_gib else f"{'-':>7}"
         mem_ratio = f"{p.peak_gib / run.memory_gib:5.2f}" if run.memory_gib else f"{'-':>5}"
         print(f"{run.name:<56} {run.tokens_per_s_per_gpu:>9,.0f} {p.time.tokens_per_s_per_gpu:>7,.0f} {ratio:>5.2f} {rate:>5.3f} "
-              f"{pub} {p.peak_gib:>7.1f} {mem_ratio} {'yes' if p.fits else 'NO':>4}  {run.note}; MFU: {run.mfu_basis}"
-              + (f"; compared with ac {p.layout.ac}" if p.layout != run.layout else ""))
+              f"{pub} {p.peak_gib:>7.1f} {mem_ratio} {p.device_gib:>6.1f} {'yes' if p.fits else 'NO':>4}  {run.note}; "
+              f"MFU: {run.mfu_basis}" + (f"; compared with ac {p.layout.ac}" if p.layout != run.layout else ""))  # fmt: skip
         t = p.time
         print(f"    step {t.step:.2f} s = compute {t.compute:.2f} + exposed " + ", ".join(f"{d} {v:.2f}" for d, v in t.exposed.items() if v)
               + f" + bubble {t.bubble:.2f}; peak on pipeline rank {p.stage}")
-    print("sources: " + ", ".join(sorted({run.source for run in RUNS} | {AUTOMODEL_HIGHLIGHTS})))
+    print("sources: " + ", ".join(sorted({run.source for run in RUNS} | {TITAN_COMMIT})))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshloom.config.loader import load_config
+from meshloom.planning.run_plan import RunPlan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,11 +31,15 @@ def test_every_mode_is_a_valid_config():
         "compile": (True, False, "none"),
         "compile_float8": (True, True, "none"),
         "compile_selective_ac": (True, False, "selective_op"),
+        "gpt_oss_flex_compile": (True, False, "none"),
+        "qwen3_next_fla": (False, False, "none"),
     }
     for mode, (compiled, float8, ac) in expected.items():
         config = load_config(driver.mode_overrides(args, mode, args.batch, Path("/tmp/unused")))
         assert config.training.mixed_precision == "bf16" and config.training.device == "cuda"
         assert (config.compile.enable, config.float8.enable, config.activation_checkpoint.mode) == (compiled, float8, ac)
+        RunPlan.build(config, 1)  # the GPU run would not refuse it (checked for the declared CUDA device)
+    assert set(expected) == set(driver.MODES)
     with pytest.raises(SystemExit):
         driver.parse_args(["--modes", "eager_bf16,warp_speed"])
 
@@ -50,14 +55,14 @@ def test_driver_runs_modes_in_child_processes_and_writes_the_table(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_throughput.json").read_text())
-    assert report["environment"]["torch"] and "tiny, seq 64, batch 2" in report["environment"]["config"]
+    assert report["environment"]["torch"] and "batch 2" in report["environment"]["config"]
     (row,) = report["results"]
     assert row["status"] == "ok" and row["mode"] == "eager_bf16" and row["batch"] == 2
     # MFU is positive but not bounded by 1 here: a CPU's peak is measured (and cached) on a shared machine, and a
     # later run can outpace a peak measured while other jobs held the cores.
     assert row["tokens_per_s"] > 0 and row["tflops"] > 0 and row["mfu"] > 0 and 5 < row["final_loss"] < 7
     table = (out / "gpu_throughput.md").read_text()
-    assert "| eager_bf16 | 2 |" in table and "1.00x" in table
+    assert "| eager_bf16 | llama3 tiny, seq 64 | 2 |" in table and "1.00x" in table
 
 
 def test_overhead_benchmark_runs_its_rounds_with_its_own_model(tmp_path):

@@ -151,9 +151,6 @@ def test_sequence_length_must_split_into_the_layout_chunks(argv, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--parallelism.cp_document_balance", "true"],
-         "parallelism.cp_document_balance = true balances packed documents, but data.document_mask is false; "
-         "set data.document_mask = true or parallelism.cp_document_balance = false"),
         (["--parallelism.cp_document_balance", "true", "--data.document_mask", "true", "--parallelism.cp_document_chunks", "3"],
          "training.seq_len=64 must be divisible by parallelism.cp x parallelism.cp_document_chunks = 6 (the "
          "document-aware split); use a multiple of 6 or fewer parallelism.cp_document_chunks"),

@@ -14,7 +14,7 @@ from meshloom.config.loader import load_config
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.parallel.dims import ParallelDims
 from meshloom.planning.features import CONFLICTS, FEATURES, Conflict, Facts, active
-from meshloom.planning.run_plan import RunPlan
+from meshloom.planning.run_plan import RunPlan, run_facts
 from meshloom.testing.layout_parity import base_overrides
 from tests.cli_checks import one_line_error
 
@@ -35,8 +35,7 @@ def test_each_declared_pair_is_refused_with_its_line(conflict: Conflict, tmp_pat
 
 def _facts(config, world: int) -> Facts:
     spec = get_model_spec(config.model.name)
-    shape = spec.shape_model(configured_model_args(config.model))
-    return Facts(config, ParallelDims.from_config(config.parallelism, world), shape.n_experts, spec.attention_kernel)
+    return run_facts(config, ParallelDims.from_config(config.parallelism, world), spec, spec.shape_model(configured_model_args(config.model)))
 
 
 def test_every_feature_of_a_conflict_has_a_witness_that_turns_it_on(tmp_path: Path) -> None:
@@ -54,7 +53,8 @@ IDLE = [
     (["--data.stream", "s.jsonl"], "data.stream = 's.jsonl' has no effect: it acts only when data.dataset = 'streaming'"),
     (["--data.stages", '[{"start_step": 1, "weights": {"a": 1}}]'], "data.stages = [{'start_step': 1, 'weights': {'a': 1}}] has no effect: it acts only when data.dataset = 'shards'"),
     (["--data.on_exhausted", "drop"], "data.on_exhausted = 'drop' has no effect: it acts only when data.dataset = 'shards' with data.max_epochs"),
-    (["--parallelism.cp_document_balance", "false"], "parallelism.cp_document_balance = False has no effect: it acts only when parallelism.cp > 1"),
+    (["--parallelism.cp_document_balance", "false"], "parallelism.cp_document_balance = False has no effect: it acts only when parallelism.cp > 1 and data.document_mask = true"),
+    (["--compile.async_tp", "false"], "compile.async_tp = False has no effect: it acts only when compile.enable = true and parallelism.tp > 1"),
     (["--fault_tolerance.sync_every", "20"], "fault_tolerance.sync_every = 20 has no effect: it acts only when fault_tolerance.enable = true"),
     (["--fault_tolerance.semi_sync", "diloco"], "fault_tolerance.semi_sync = 'diloco' has no effect: it acts only when fault_tolerance.enable = true"),
     (["--moe.bias_update_rate", "0.001"], "moe.bias_update_rate = 0.001 has no effect: it acts only when the model has experts"),

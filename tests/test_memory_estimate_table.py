@@ -20,6 +20,7 @@ CELLS = [
     ("qwen3 MoE", "PP 2", "none"),  # a stage that ends in a MoE block peaks inside it
     ("deepseek_v3", "FSDP 2", "full"),  # the prediction block recomputed after the losses are freed, under FSDP
     ("deepseek_v3", "PP 2", "selective_op"),  # MLA on CPU: SDPA's math path keeps the softmax probabilities
+    ("qwen3_next", "TP 2", "none"),  # Gated DeltaNet's chunked rule on local heads, gated attention, shared-gated MoE
 ]
 # Activations may differ from the estimate by this factor either way; the table's cells are within 0.9-1.1 where
 # the model code is followed exactly (see benchmarks/RESULTS.md), routing imbalance between expert-parallel ranks aside.

@@ -412,3 +412,23 @@ def test_logits_match_hugging_face_llama() -> None:
     tokens = torch.randint(0, args.vocab_size, (2, 100))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_next"])
+def test_model_n_layers_overrides_the_depth_of_every_flavour(family: str) -> None:
+    """model.n_layers works for every family and flavour, whatever per-block pattern (layer kinds) the flavour holds:
+    the model builds with that many blocks, or the one line says which setting needs more (dense-first blocks)."""
+    from meshloom.config.errors import ConfigError
+    from meshloom.config.schema import ModelConfig
+    from meshloom.models.registry import configured_model_args
+
+    spec = get_model_spec(family)
+    for flavor in spec.flavors:
+        try:
+            args = configured_model_args(ModelConfig(name=family, flavor=flavor, n_layers=2))
+        except ConfigError as refused:
+            assert "set model.n_layers >= " in str(refused), (family, flavor, str(refused))
+            continue
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        assert len(model.layers) == 2, (family, flavor)

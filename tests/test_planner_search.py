@@ -4,11 +4,8 @@ reports is RunPlan's, per-stage estimates with split points, one-line errors, an
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -58,7 +55,7 @@ def test_each_layout_takes_the_fastest_ac_optimizer_and_float8_that_fit():
         if c.layout.optimizer == "Muon":
             faster.append(dataclasses.replace(c.layout, optimizer="AdamW"))
         for other in faster:
-            assert estimate_memory(shape, other, 8192, precision).peak > cluster.usable_bytes, (c.layout, other)
+            assert not cluster.fits(estimate_memory(shape, other, 8192, precision).peak, other), (c.layout, other)
     # Where AdamW fits nowhere but Muon's one buffer per matrix does, the plan trains with Muon.
     tight = Cluster(gpus=8, gpus_per_node=8, memory_gib=40)
     only = SearchSpace(ac_modes=("full",), float8=(False,), schedules=("1F1B",))
@@ -66,7 +63,7 @@ def test_each_layout_takes_the_fastest_ac_optimizer_and_float8_that_fit():
     assert muon
     for c in muon:
         adamw = estimate_memory(shape, dataclasses.replace(c.layout, optimizer="AdamW"), 2048, precision)
-        assert adamw.peak > tight.usable_bytes and c.memory.optimizer < adamw.optimizer
+        assert not tight.fits(adamw.peak, c.layout) and c.memory.optimizer < adamw.optimizer
 
 
 def test_float8_is_chosen_by_predicted_time_and_only_where_linears_qualify():
@@ -81,7 +78,7 @@ def test_float8_is_chosen_by_predicted_time_and_only_where_linears_qualify():
         found = plan(flavor, cluster, seq_len=seq, global_batch=16)
         for c in found:
             other = dataclasses.replace(c.layout, float8=not c.layout.float8)
-            if estimate_memory(shape, other, seq, precision).peak <= cluster.usable_bytes:
+            if cluster.fits(estimate_memory(shape, other, seq, precision).peak, other):
                 assert c.step_s <= step_time(shape, other, seq, precision, cluster).step, (c.layout, other)
         chosen = {c.layout.float8 for c in found}
         # 8B: Float8 wherever it is faster (all but TP 8 with full AC, whose gathered inputs' casts outweigh the gain).
@@ -110,24 +107,6 @@ def test_expert_all_to_all_overlapped_up_to_the_expert_compute_or_exposed():
     assert overlapped.step < exposed.step and 0.3 < expert_flops_share(shape, 4096) < 0.8
     with pytest.raises(UserError, match="expert_comm"):
         plan("16B", Cluster(8, 8, 80, expert_comm="hidden"), 4096, 8, model="deepseek_v3")
-
-
-def _published_runs():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.py"
-    spec = importlib.util.spec_from_file_location("published_runs_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_nemo_671b_layout_is_predicted_within_25_percent_of_its_published_throughput():
-    """NeMo AutoModel's DeepSeek-V3 671B run (PP 4 x EP 64 on 256 H100), at the MFU it logged, expert all-to-all
-    overlapped (DeepEP): the planner's tokens/s per GPU within 25% of the published 1,002."""
-    bench = _published_runs()
-    (run,) = [r for r in bench.RUNS if r.name.startswith("DeepSeek-V3 671B, PP 4")]
-    ratio = bench.predict(run).time.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu
-    assert 0.75 <= ratio <= 1.25, ratio
 
 
 def test_split_points_are_honoured_and_the_largest_stage_is_reported():
@@ -159,6 +138,44 @@ def test_interleaved_and_v_schedules_change_bubble_and_memory():
     assert acts["1F1B"] < acts["Interleaved1F1B"] < acts["GPipe"]
 
 
+def _dualpipev_inflight(pp: int, microbatches: int, rank: int) -> dict[int, int]:
+    """Microbatches each stage of `rank` holds (forward run, input gradient not yet) when the rank holds the most, read
+    off the action order torch's ScheduleDualPipeV gives that rank (no stages or process group needed to build it)."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType
+
+    schedule = object.__new__(ScheduleDualPipeV)
+    schedule.pp_group_size, schedule._n_microbatches, schedule.n_local_stages = pp, microbatches, 2
+    live: dict[int, int] = {}
+    best: dict[int, int] = {}
+    for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+        for step in action.sub_actions or (action,):
+            if step.computation_type == _ComputationType.FORWARD:
+                live[step.stage_index] = live.get(step.stage_index, 0) + 1
+            elif step.computation_type in (_ComputationType.BACKWARD_INPUT, _ComputationType.FULL_BACKWARD):
+                live[step.stage_index] -= 1
+            if sum(live.values()) > sum(best.values()):
+                best = dict(live)
+    return best
+
+
+def test_dualpipev_holds_the_loss_stage_for_one_microbatch():
+    """torch's DualPipeV keeps 2pp microbatches of rank 0's first stage and one of the last stage (the V's turn, whose
+    backward follows each forward) when rank 0 holds the most: the estimate keeps the last stage's logits once, not for
+    every microbatch in flight, so DeepSeek's PP 16 layout's rank 0 is not dominated by 17 microbatches of logits."""
+    assert _dualpipev_inflight(16, 120, 0) == {0: 32, 31: 1}
+    assert _dualpipev_inflight(4, 16, 0) == {0: 8, 7: 1}
+    shape = _shape("deepseek_v3", "671B")
+    layout = Layout(dp_shard=128, pp=16, ep=64, ac="full", microbatch_size=1, microbatches=120,
+                    pipeline_schedule="DualPipeV", stages_per_rank=2)  # fmt: skip
+    p = Precision("bf16")
+    rank0 = estimate_memory(shape, layout, 4096, p, stage_index=0)
+    logits = 4 * shape.vocab_size * 4096
+    # With the loss side held for all pp + 1 microbatches it would exceed this by 16 x the fp32 logits.
+    zbv = estimate_memory(shape, dataclasses.replace(layout, pipeline_schedule="ZBVZeroBubble"), 4096, p, stage_index=0)
+    assert zbv.activations - rank0.activations > 14 * logits
+    assert rank0.peak < 40 * GIB
+
+
 def test_deepseek_v3_671b_on_1024_gpus_finds_pipeline_and_expert_parallel(tmp_path, capsys):
     out = tmp_path / "plan.toml"
     argv = [
@@ -179,7 +196,7 @@ def test_deepseek_v3_671b_on_1024_gpus_finds_pipeline_and_expert_parallel(tmp_pa
     assert "expert all-to-all assumed overlapped" in printed
     shown = [tuple(map(int, m)) for m in re.findall(r"#\d+ +dp_replicate (\d+) dp_shard (\d+) tp (\d+) pp (\d+) cp (\d+) ep (\d+)", printed)]
     assert len(shown) == 5 and any(pp > 1 and tp * ep > 8 for _, _, tp, pp, _, ep in shown), shown
-    assert estimate_memory(run.shape(), best, 4096, Precision("bf16")).peak < 80 * GIB * 0.9
+    assert Cluster(1024, 8, 80).fits(estimate_memory(run.shape(), best, 4096, Precision("bf16")).peak, best)
     assert "Predicted peak memory" in out.read_text()
 
 

@@ -103,7 +103,8 @@ class HFFolder:
                 raise UserError(f"{self.path} lacks tensor {hf_name!r}, which its config.json implies")
         optional = self.adapter.optional_hf_tensors(self.args)
         for hf_name in self.weight_map:
-            if hf_name not in needed and hf_name not in optional and not hf_name.endswith(self.adapter.ignored_suffixes):
+            ignored = hf_name.endswith(self.adapter.ignored_suffixes) or hf_name.startswith(self.adapter.ignored_prefixes)
+            if hf_name not in needed and hf_name not in optional and not ignored:
                 raise UserError(
                     f"{self.path} holds tensor {hf_name!r}, which a {self.spec.name} model with this config.json does not have"
                 )
@@ -192,15 +193,14 @@ def write_hf_folder(
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
-    for name in adapter.exported_names(list(state), args):
-        for hf_name, tensor in adapter.to_hf(name, state[name], args):
-            tensor = tensor.to(dtype).contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-            if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
-                shards.append({})
-                sizes.append(0)
-            shards[-1][hf_name] = tensor
-            sizes[-1] += nbytes
+    for hf_name, tensor in adapter.hf_tensors(state, args):
+        tensor = tensor.to(dtype).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][hf_name] = tensor
+        sizes[-1] += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], out / WEIGHTS_FILE, metadata=metadata)

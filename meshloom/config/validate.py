@@ -103,15 +103,10 @@ def _check_fault_tolerance(config: Config) -> None:
 
 
 def _check_context_parallel(config: Config) -> None:
-    cp, seq_len, mask = config.parallelism.cp, config.training.seq_len, attention_mask_kind(config)
+    cp, seq_len = config.parallelism.cp, config.training.seq_len
     par = config.parallelism
     if par.cp_document_balance:
         _require(par.cp_document_chunks >= 1, f"parallelism.cp_document_chunks must be >= 1, got {par.cp_document_chunks}")
-        _require(
-            mask == "document",
-            "parallelism.cp_document_balance = true balances packed documents, but data.document_mask is false; "
-            "set data.document_mask = true or parallelism.cp_document_balance = false",
-        )
         chunks = cp * par.cp_document_chunks
         _require(
             seq_len % chunks == 0,

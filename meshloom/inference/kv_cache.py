@@ -10,12 +10,19 @@ shape [b, s]. Sequences of a batch are left-padded to one length, so one write o
 A query sees the keys at or before its own index that are not padding (a padding query sees itself only,
 so its softmax stays finite; nothing real ever reads it). RoPE positions count from each row's first real
 token (row 0's "a" is position 0), so a padded prompt computes what it computes alone.
+
+A module whose class sets ``recurrent = True`` (a Gated DeltaNet layer) gets a `RecurrentCache` instead: its
+recurrent state and the last inputs of its short convolution. The module zeroes the inputs of padding positions
+(`RecurrentCache.real_tokens`), which leaves a zero state and zero convolution history, so padding cannot leak into
+the state either.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from meshloom.models.common.gated_delta import causal_depthwise_conv, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
 class LayerCache:
@@ -40,6 +47,35 @@ class LayerCache:
             buffer[:, :, start:end] = t
             out.append(buffer[:, :, :end])
         return (*out, self.owner.mask(s))
+
+
+class RecurrentCache:
+    """The state of one gated-delta-rule layer: the recurrent state [b, h, dk, dv] (float32) and the last K-1 inputs
+    [b, K-1, channels] of its causal depthwise convolution. The first call (the prompt) runs the chunked rule from a
+    zero state; each later call continues from the stored state (one token: the recurrent rule)."""
+
+    def __init__(self, owner: KVCache):
+        self.owner = owner
+        self.state: torch.Tensor | None = None
+        self.history: torch.Tensor | None = None
+
+    def real_tokens(self, s: int) -> torch.Tensor:
+        """[b, s] bool: which of the next s positions hold real tokens (not left padding)."""
+        return self.owner.key_valid[:, self.owner.offset : self.owner.offset + s]
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The convolution of this step's inputs x [b, s, channels] after the stored ones; keeps the last K-1."""
+        out = causal_depthwise_conv(x, weight, history=self.history)
+        width = weight.shape[-1] - 1
+        previous = self.history if self.history is not None else x.new_zeros(x.shape[0], width, x.shape[2])
+        self.history = torch.cat([previous.to(x.dtype), x], dim=1)[:, -width:] if width else previous
+        return out
+
+    def rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float) -> torch.Tensor:
+        """The gated delta rule over this step's tokens from the stored state; stores the final state."""
+        step = recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
+        out, self.state = step(q, k, v, g, beta, scale=scale, initial_state=self.state)
+        return out
 
 
 class KVCache:
@@ -67,7 +103,7 @@ class KVCache:
 
     def install(self) -> KVCache:
         for module in self.layers:
-            module.kv_cache = LayerCache(self)
+            module.kv_cache = RecurrentCache(self) if getattr(type(module), "recurrent", False) else LayerCache(self)
         return self
 
     def remove(self) -> None:

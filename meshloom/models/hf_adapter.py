@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +48,8 @@ class HFAdapter(ABC):
     model_type: str
     # Buffers some exports carry that are derived from the config, never trained (ignored on import).
     ignored_suffixes: tuple[str, ...] = (".rotary_emb.inv_freq",)
+    # Modules of released checkpoints that transformers leaves out as well (ignored on import).
+    ignored_prefixes: tuple[str, ...] = ()
 
     def claims(self, config: Mapping[str, Any]) -> bool:
         """Whether a config.json describes a model of this family."""
@@ -82,6 +84,12 @@ class HFAdapter(ABC):
     @abstractmethod
     def from_hf(self, name: str, tensors: list[torch.Tensor], args: Any) -> torch.Tensor:
         """Meshloom tensor `name` from its `sources`, in that order."""
+
+    def hf_tensors(self, state: Mapping[str, torch.Tensor], args: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every Hugging Face (name, tensor) of an export: each exported tensor's `to_hf`. A family whose Hugging Face
+        tensors fuse several of its own (one projection for q, k, v) overrides this to build them from the parts."""
+        for name in self.exported_names(list(state), args):
+            yield from self.to_hf(name, state[name], args)
 
     def check_exportable(self, state: Mapping[str, torch.Tensor], args: Any) -> None:
         """Raise ValueError when the weights compute something the Hugging Face format cannot hold."""

@@ -91,9 +91,9 @@ def import_plugin(module: str) -> None:
 
 
 def _register_builtin_families() -> None:
-    from meshloom.models import deepseek_v3, gpt_oss, llama3, qwen3
+    from meshloom.models import deepseek_v3, gpt_oss, llama3, qwen3, qwen3_next
 
-    for spec in (llama3.SPEC, deepseek_v3.SPEC, qwen3.SPEC, gpt_oss.SPEC):
+    for spec in (llama3.SPEC, deepseek_v3.SPEC, qwen3.SPEC, gpt_oss.SPEC, qwen3_next.SPEC):
         register_model(spec)
 
 

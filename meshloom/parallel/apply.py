@@ -3,7 +3,7 @@
 Float8 -> tensor/sequence parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> FSDP.
 
 Float8 swaps the linear layers first, so TP and FSDP both see Float8Linear modules. TP then places the root (embedding,
-final norm, output head) and each block by the family's plan. CP swaps every attention's core for ring attention; EP
+final norm, output head) and each block by the family's plan. CP swaps every attention's core for ring attention (a linear-attention layer's for state passing); EP
 swaps each MoE layer's experts for the all-to-all dispatch. Activation checkpointing and compile wrap each block's
 ``forward`` (parameter names do not change), and FSDP's hooks go around both, block by block, then the root.
 
@@ -28,6 +28,7 @@ from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
+from meshloom.parallel.state_passing import StatePassingCore
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -59,6 +60,9 @@ class ParallelParts:
     blocks: Callable[[nn.Module], Mapping[str, nn.Module]] = _default_blocks
     # A block's attention module, whose `core` (the attention kernel) context parallel swaps for ring attention.
     attention: Callable[[nn.Module], nn.Module] = lambda block: block.attention
+    # Whether a block's `attention` is a linear-attention layer (a recurrent state instead of keys and values), whose
+    # `core` context parallel swaps for state passing (parallel/state_passing.py) instead of the ring.
+    passes_state: Callable[[nn.Module], bool] = lambda block: False
     # Extra root TP entries beyond embedding / norm / output (e.g. multi-token prediction modules' norms).
     root_tp_plan: Callable[[nn.Module], Mapping[str, ParallelStyle]] = lambda model: {}
     # The mixture-of-experts layers whose routed experts expert parallel distributes; empty for a dense family.
@@ -118,10 +122,11 @@ def apply_tensor_parallel(model: nn.Module, parts: ParallelParts, tp_mesh, loss_
 
 
 def apply_context_parallel(model: nn.Module, parts: ParallelParts, cp_mesh, layout: SequenceLayout, seq_len: int) -> None:
-    """Ring attention over the cp group in every block, and the RoPE positions of this rank's sequence shard."""
-    core = RingAttentionCore(cp_mesh.get_group(), layout)
+    """Ring attention over the cp group in every softmax-attention block, state passing in every linear-attention
+    block (both on the one token layout), and the RoPE positions of this rank's sequence shard."""
+    ring, state_passing = RingAttentionCore(cp_mesh.get_group(), layout), StatePassingCore(cp_mesh.get_group(), layout)
     for block in parts.blocks(model).values():
-        parts.attention(block).core = core
+        parts.attention(block).core = state_passing if parts.passes_state(block) else ring
     if parts.on_context_parallel is not None:
         parts.on_context_parallel(model, cp_mesh.get_group(), layout)
     model.register_forward_pre_hook(positions_hook(layout, cp_mesh.get_local_rank(), seq_len), with_kwargs=True)

@@ -23,8 +23,9 @@ from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ActivationCheckpointConfig, CompileConfig
 
 
-def check_compile_config(config: CompileConfig, device_type: str, tp: int) -> None:
-    """Bad settings as ConfigErrors, before anything is built; `device_type` is the run's ("cuda" or "cpu")."""
+def check_compile_config(config: CompileConfig, device_type: str) -> None:
+    """compile.async_tp against the device, before anything is built; `device_type` is the run's ("cuda" or "cpu").
+    That it needs compile and tensor parallel is declared in meshloom/planning/features.py."""
     if not config.async_tp:
         return
     if device_type != "cuda":
@@ -32,10 +33,6 @@ def check_compile_config(config: CompileConfig, device_type: str, tp: int) -> No
             "compile.async_tp needs CUDA GPUs (symmetric memory and inductor's micro-pipeline TP pass); "
             f"this run is on {device_type}: set compile.async_tp = false"
         )
-    if tp < 2:
-        raise ConfigError(f"compile.async_tp overlaps tensor-parallel collectives, but parallelism.tp = {tp}; set tp >= 2")
-    if not config.enable:
-        raise ConfigError("compile.async_tp is a compiler pass: set compile.enable = true as well")
 
 
 def set_cache_dir(config: CompileConfig) -> None:

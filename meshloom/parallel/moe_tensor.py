@@ -39,4 +39,6 @@ def moe_block_plan(moe: nn.Module, replicate_experts: bool, prefix: str = "moe")
         plan[f"{prefix}.shared_experts.w1"] = ColwiseParallel()
         plan[f"{prefix}.shared_experts.w3"] = ColwiseParallel()
         plan[f"{prefix}.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+    if getattr(moe, "shared_gate", None) is not None:
+        plan[f"{prefix}.shared_gate"] = ReplicateParameters()
     return plan

@@ -32,7 +32,7 @@ def planned_device_type(config: Config, device: torch.device | None) -> str:
 def check_device_settings(plan: RunPlan, device: torch.device | None) -> None:
     """compile.async_tp, float8 and moe.grouped_mm against the run's device (or declared device type)."""
     config, device_type = plan.config, planned_device_type(plan.config, device)
-    check_compile_config(config.compile, device_type, plan.dims.tp)
+    check_compile_config(config.compile, device_type)
     if config.float8.enable:
         with torch.device("meta"):  # shapes only: nothing is allocated
             check_float8_config(config.float8, plan.spec.model_cls(plan.model_args), device, plan.dims.tp)

@@ -33,6 +33,9 @@ class Facts:
     attention_kernel: str = "sdpa"
     """The family's attention kernel (ModelSpec.attention_kernel)."""
 
+    hf_balancing_bias: bool = True
+    """Whether the family's Hugging Face format holds the MoE balancing bias (models/hf_adapter.py)."""
+
     @property
     def on_cpu(self) -> bool:
         """Whether the run trains on CPU (training.device, "auto" on a machine without CUDA)."""
@@ -171,6 +174,10 @@ _DEFINED = [
     Feature(
         "flex_attention", "FlexAttention", "{model}", lambda f: f.attention_kernel == "flex", ("--model.name", "gpt_oss"),
     ),
+    Feature(
+        "hf_export", "Hugging Face export", "checkpoint.hf_export_interval > 0", lambda f: f.config.checkpoint.hf_export_interval > 0,
+        ("--checkpoint.hf_export_interval", "10"),
+    ),
     Feature("dense", "a dense model", "{model}", lambda f: f.n_experts == 0, ("--model.name", "llama3")),
     Feature(
         "no_compile", "eager", "compile.enable = false", lambda f: not f.config.compile.enable, ("--compile.enable", "false"),
@@ -258,6 +265,13 @@ CONFLICTS: tuple[Conflict, ...] = (
         when=lambda f: f.on_cpu,
     ),
     Conflict(
+        "hf_export", "moe_bias",
+        "this family's Hugging Face format has no place for the balancing bias, so the exports would route tokens "
+        "differently",
+        "set moe.bias_update_rate = 0 (balance with moe.aux_loss_coef instead) or checkpoint.hf_export_interval = 0",
+        when=lambda f: not f.hf_balancing_bias,
+    ),
+    Conflict(
         "moe_aux_loss", "cp",
         "the sequence-wise balance loss needs whole sequences, which context parallel splits",
         "set moe.aux_loss_coef = 0 or parallelism.cp = 1",
@@ -277,9 +291,10 @@ CONFLICTS: tuple[Conflict, ...] = (
 
 SCOPES: tuple[Scope, ...] = (
     Scope(("pipeline.*",), lambda f: f.dims.pp > 1, "parallelism.pp > 1"),
+    Scope(("parallelism.cp_load_balance",), lambda f: f.dims.cp > 1, "parallelism.cp > 1"),
     Scope(
-        ("parallelism.cp_load_balance", "parallelism.cp_document_balance", "parallelism.cp_document_chunks"),
-        lambda f: f.dims.cp > 1, "parallelism.cp > 1",
+        ("parallelism.cp_document_balance", "parallelism.cp_document_chunks"),
+        lambda f: f.dims.cp > 1 and f.config.data.document_mask, "parallelism.cp > 1 and data.document_mask = true",
     ),
     Scope(("parallelism.loss_parallel",), lambda f: f.dims.tp > 1, "parallelism.tp > 1"),
     Scope(("moe.*",), lambda f: f.n_experts > 0, "the model has experts (a mixture-of-experts flavour)"),
@@ -301,6 +316,10 @@ SCOPES: tuple[Scope, ...] = (
         lambda f: f.config.activation_checkpoint.mode == "memory_budget", "activation_checkpoint.mode = 'memory_budget'",
     ),
     Scope(("compile.cache_dir",), lambda f: f.config.compile.enable, "compile.enable = true"),
+    Scope(
+        ("compile.async_tp",), lambda f: f.config.compile.enable and f.dims.tp > 1,
+        "compile.enable = true and parallelism.tp > 1 (it is a compiler pass over tensor-parallel collectives)",
+    ),
     Scope(("float8.recipe", "float8.fsdp_float8_all_gather"), lambda f: f.config.float8.enable, "float8.enable = true"),
     Scope(
         ("data.glob",),

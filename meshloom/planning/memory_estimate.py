@@ -316,11 +316,18 @@ def estimate_memory(
         modes = layout.block_ac_modes(stage.block_ids)
         per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
         per_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep) + held_output
-        saved = stage.inflight * tokens * (sum(per_layer) + per_root)
+        first_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False)
+        # DualPipeV's rank 0 holds the last stage at the V's turn, where torch's ScheduleDualPipeV runs each
+        # microbatch's backward right after its forward: at the rank's peak that stage holds one microbatch (its
+        # first stage 2pp), so the loss side (the final norm, the logits and what the family keeps there) is held once.
+        loss_side = 0.0
+        if stage.last and layout.pp > 1 and layout.pipeline_schedule == "DualPipeV":
+            loss_side = per_root - first_root  # the last stage's root and its held logits
+            per_root = first_root + a * shape.dim / layout.tp  # the first stage's output, held per microbatch
+        saved = stage.inflight * tokens * (sum(per_layer) + per_root) + tokens * loss_side
         # Backward of a checkpointed block j in one microbatch: that microbatch's loss-side activations and
         # the blocks after j are freed by then, j's recomputed activations live (largest for the last such j).
         others = (stage.inflight - 1) * tokens * (sum(per_layer) + per_root)
-        first_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False)
         first_side = first_root + held_output
         recompute_peak, kept_so_far = 0.0, 0.0
         for layer, mode, kept in zip(stage.block_ids, modes, per_layer):

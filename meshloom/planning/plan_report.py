@@ -80,8 +80,9 @@ def layout_toml(model: str, flavor: str, layout: Layout, seq_len: int, note: str
 def expert_comm_note(mode: str) -> str:
     """What a plan assumes of expert all-to-all (Cluster.expert_comm)."""
     if mode == "overlapped":
-        return ("expert all-to-all assumed overlapped with the expert matmuls (DeepEP/DualPipe-like; only the remainder "
-                "is exposed); meshloom's own dispatch does not overlap: --expert-comm exposed plans for it")
+        return ("expert all-to-all assumed overlapped with the expert matmuls (DeepEP-like; under DualPipeV with all of the "
+                "paired chunk's compute, as DualPipe; only the remainder is exposed); meshloom's own dispatch does not "
+                "overlap: --expert-comm exposed plans for it")
     return "expert all-to-all assumed exposed (meshloom's own dispatch, no overlap)"
 
 

@@ -1,5 +1,6 @@
-"""The layout planner behind `meshloom plan`: enumerate the layouts a cluster allows, keep those that fit in memory,
-rank them by step time (`meshloom.planning.step_time`).
+"""The layout planner behind `meshloom plan`: enumerate the layouts a cluster allows, keep those that fit in memory
+(the estimated tensors with the CUDA context and NCCL's buffers within the headroom, `Cluster.fits`), rank them by
+step time (`meshloom.planning.step_time`).
 
 The search covers the parallel degrees (dp_replicate, dp_shard, tp inside a node, cp, pp, and ep for
 mixture-of-experts models), pipeline schedules with their microbatch counts, gradient accumulation (a smaller
@@ -26,6 +27,7 @@ from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.parallel.pipeline import SCHEDULES, parse_split_points
 from meshloom.planning.device_checks import float8_converts_linears
+from meshloom.planning.gpu_memory import device_bytes
 from meshloom.planning.layout import AC_MODES, Layout, Precision, layout_config, layout_of
 from meshloom.planning.memory_estimate import GIB, OPTIMIZERS, MemoryEstimate, estimate_memory
 from meshloom.planning.run_plan import RunPlan
@@ -66,7 +68,7 @@ class Candidate:
 
 @dataclass
 class _Search:
-    """What the search learnt on its way: the smallest peak seen and why layouts were refused."""
+    """What the search learnt on its way: the smallest tensor peak seen and why layouts were refused."""
 
     smallest: tuple[Layout, MemoryEstimate] | None = None
     refusals: Counter = field(default_factory=Counter)
@@ -147,7 +149,7 @@ def _fastest_fitting_variant(
             for ac in (mode for mode in AC_SPEED_ORDER if mode in space.ac_modes):
                 variant = dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=f8)
                 memory = estimate_memory(shape, variant, seq_len, precision)
-                if memory.peak <= cluster.usable_bytes:
+                if cluster.fits(memory.peak, variant):
                     time = step_time(shape, variant, seq_len, precision, cluster)
                     if best is None or time.step < best.time.step:
                         best = Candidate(variant, memory, time)
@@ -180,7 +182,6 @@ def search_layouts(
     base = base_config(model, flavor, seq_len, space.split_points)
     points = parse_split_points(space.split_points, args.n_layers)
     counts = tuple(b - a for a, b in zip([0] + points, points + [args.n_layers])) if points else ()
-    usable = cluster.usable_bytes
     search, candidates = _Search(), []
     frugal = dict(ac="full" if "full" in space.ac_modes else space.ac_modes[0], optimizer=min(space.optimizers, key=("Muon", "AdamW").index))
     too_big: set[tuple] = set()
@@ -198,7 +199,7 @@ def search_layouts(
         memory = estimate_memory(shape, lean, seq_len, precision)
         if search.smallest is None or memory.peak < search.smallest[1].peak:
             search.smallest = (lean, memory)
-        if memory.peak > usable:
+        if not cluster.fits(memory.peak, lean):
             too_big.add(family)
             continue
         built = _build(base, structure, cluster.gpus, search)
@@ -252,11 +253,13 @@ def plan(
         )
     if not candidates:
         lean, memory = search.smallest
-        need = memory.peak / cluster.headroom / GIB
+        device = device_bytes(memory.peak, lean) / GIB
+        need = device / cluster.headroom
         raise UserError(
             f"the {flavor} model does not fit on {cluster.gpus} x {cluster.memory_gib:g} GiB under any layout "
             f"(seq_len {seq_len}, global batch {global_batch}); the smallest peak is {memory.peak / GIB:.1f} GiB "
-            f"per GPU ({lean.describe()}), so GPUs need at least {need:.1f} GiB at {cluster.headroom:.0%} usable; "
+            f"per GPU ({lean.describe()}; with the CUDA context and NCCL's buffers {device:.1f}), "
+            f"so GPUs need at least {need:.1f} GiB at {cluster.headroom:.0%} usable; "
             f"add GPUs, shorten seq_len or use GPUs with more memory"
         )
 

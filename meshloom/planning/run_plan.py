@@ -20,6 +20,7 @@ from meshloom.config.schema import Config
 from meshloom.data.stages import check_mixture_settings
 from meshloom.data.tokenizer import check_tokenizer_file_fits
 from meshloom.inference.sampling import check_sampling_settings
+from meshloom.models.hf_adapter import UnexportedBalancingBias
 from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
@@ -72,7 +73,7 @@ class RunPlan:
             )
         dims = ParallelDims.from_config(config.parallelism, world_size)
         shape = spec.shape_model(args)
-        facts = Facts(config, dims, shape.n_experts, spec.attention_kernel)
+        facts = run_facts(config, dims, spec, shape)
         refuse_idle_settings(facts)
         refuse_conflicts(facts)
         check_generic_layout(shape, dims)
@@ -139,3 +140,11 @@ def _check_hf_export(config: Config, spec: ModelSpec) -> None:
         raise ConfigError(f"checkpoint.hf_export_interval must be >= 0 (0 = no exports), got {interval}")
     if interval and spec.hf is None:
         raise ConfigError(f"checkpoint.hf_export_interval: the {spec.name} family has no Hugging Face format; set it to 0")
+
+
+def run_facts(config: Config, dims: ParallelDims, spec: ModelSpec, shape: ShapeModel) -> Facts:
+    """What the feature declaration reads of a run: its settings, degrees and the model family's kind."""
+    return Facts(
+        config, dims, shape.n_experts, spec.attention_kernel,
+        hf_balancing_bias=not isinstance(spec.hf, UnexportedBalancingBias),
+    )

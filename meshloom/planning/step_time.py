@@ -5,7 +5,8 @@ casts, `float8_flops_saved`; Muon's Newton-Schulz iterations on top). Communicat
 bandwidth (a dimension whose ranks sit in one node uses the intra-node link). FSDP's gathers and reduce-scatters and HSDP's
 all-reduce overlap with compute (only what exceeds the busy time is exposed); tensor, context and pipeline traffic sits
 on the critical path. Expert parallel's dispatch and combine either overlap with the expert matmuls, up to their time,
-the remainder exposed (`Cluster.expert_comm` "overlapped": how DeepSeek-V3's DualPipe and Megatron/DeepEP run them),
+the remainder exposed (`Cluster.expert_comm` "overlapped": how Megatron/DeepEP run them; under DualPipeV, whose paired
+forward and backward chunks hide each other's all-to-all, up to all the compute),
 or sit wholly on the critical path ("exposed": meshloom's own `all_to_all_single` dispatch, which waits). The pipeline
 bubble is the schedule's idle share of the busy time.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from meshloom.models.shape import ShapeModel
 from meshloom.parallel.float8 import FLOAT8_DIM_MULTIPLE
 from meshloom.planning.comm_estimate import COMM_DIMS, muon_flops, step_comm_bytes, step_flops
+from meshloom.planning.gpu_memory import device_bytes
 from meshloom.planning.layout import Layout, Precision
 from meshloom.planning.memory_estimate import GIB
 
@@ -63,7 +65,8 @@ class Cluster:
     peak_tflops: float = 989.0
     # Share of the peak the compute reaches.
     mfu: float = 0.4
-    # Usable share of GPU memory (CUDA context, NCCL buffers, fragmentation).
+    # Usable share of GPU memory for the estimated tensors plus the CUDA context and NCCL's buffers
+    # (meshloom.planning.gpu_memory): the rest covers what the caching allocator reserves beyond what it allocates.
     headroom: float = 0.9
     # Measured per-rank bus bandwidth in bytes/s (inside a node, between nodes) in place of the interconnect's.
     bandwidth: tuple[float, float] | None = None
@@ -74,6 +77,11 @@ class Cluster:
     @property
     def usable_bytes(self) -> float:
         return self.memory_gib * GIB * self.headroom
+
+    def fits(self, peak: float, layout: Layout) -> bool:
+        """The planner's fit rule: an estimated tensor peak of `peak` bytes, with what the GPU adds for `layout` (the
+        CUDA context, NCCL's buffers), within the usable share of one GPU."""
+        return device_bytes(peak, layout) <= self.usable_bytes
 
 
 @dataclass(frozen=True)
@@ -203,7 +211,11 @@ def step_time(shape: ShapeModel, layout: Layout, seq_len: int, precision: Precis
     exposed = {dim: (comm[dim] if dim in critical else 0.0) for dim in COMM_DIMS}
     if cluster.expert_comm == "overlapped":
         # Dispatch and combine of one chunk run while the experts multiply another: hidden up to the experts' time.
-        exposed["ep"] = max(0.0, comm["ep"] - compute * expert_flops_share(shape, seq_len))
+        # DualPipe pairs one microbatch's forward chunk with another's backward chunk and runs either's all-to-all
+        # during the other's attention and MLP (DeepSeek-V3 report, section 3.2.1, figure 4): hidden up to all compute.
+        dualpipe = layout.pipeline_schedule == "DualPipeV" and layout.pp > 1
+        budget = compute if dualpipe else compute * expert_flops_share(shape, seq_len)
+        exposed["ep"] = max(0.0, comm["ep"] - budget)
     busy = compute + sum(exposed.values())
     overlapped = comm["dp_shard"] + comm["dp_replicate"]
     if overlapped > busy:

@@ -19,7 +19,7 @@ from meshloom.testing.matrix_cells import CELLS
 # The table's rows and columns: every value but the ones that turn nothing on, with its heading.
 TITLES = {
     "llama3": "Llama 3", "qwen3": "Qwen3", "qwen3_moe": "Qwen3 MoE", "deepseek_v3": "DeepSeek-V3",
-    "gpt_oss": "gpt-oss",
+    "gpt_oss": "gpt-oss", "qwen3_next": "Qwen3-Next",
     "fsdp": "FSDP", "hsdp": "HSDP", "tp": "TP", "pp": "PP", "cp": "CP", "ep": "EP", "fsdp_tp": "FSDP×TP",
     "ac_full": "AC full", "ac_selective": "AC selective", "compile": "compile", "float8": "Float8",
     "muon": "Muon", "muon_qk_clip": "Muon+QK-clip", "shards": "shards+stages", "streaming": "streaming",

@@ -1,6 +1,6 @@
 """The pairwise matrix: features combined across ten axes, every pair of values in at least one cell.
 
-An all-pairs covering array (not the full product, which has 103,680 cells): `CELLS` in matrix_cells.py is what
+An all-pairs covering array (not the full product, which has 124,416 cells): `CELLS` in matrix_cells.py is what
 `generate()` wrote, and tests/test_matrix.py checks that it still covers every pair. Each cell either trains and
 matches its reference, or the declaration (meshloom/planning/features.py) refuses it by name, and the test asserts
 that line. A pair of values that the declaration refuses (witnessed by a cell of that pair alone) is covered by its
@@ -49,6 +49,7 @@ AXES: dict[str, tuple[Value, ...]] = {
         Value("qwen3_moe", ("model.name=qwen3", "model.flavor=tiny_moe")),
         Value("deepseek_v3", ("model.name=deepseek_v3",), 1.3),
         Value("gpt_oss", ("model.name=gpt_oss",), 1.3),
+        Value("qwen3_next", ("model.name=qwen3_next",), 1.5),
     ),
     "layout": (
         Value("1proc"),
@@ -98,7 +99,7 @@ FEATURE_OF: dict[str, tuple[str, ...]] = {
 
 
 Cell = dict[str, str]  # axis -> value name
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 
 
 def value(axis: str, name: str) -> Value:
@@ -155,19 +156,22 @@ def default_cell(**chosen: str) -> Cell:
 
 
 def plan_refusal(cell: Cell) -> str | None:
-    """The declaration's one line for a cell it refuses, else None (RunPlan.build on the cell's settings)."""
+    """The declaration's one line for a cell it refuses, else None (RunPlan.build on the cell's settings, and on those
+    of the layout a "resume on another layout" cell continues on)."""
     from meshloom.config.loader import load_config
     from meshloom.planning.run_plan import RunPlan
     from meshloom.testing.layout_parity import base_overrides
 
-    case = ParityCase.parse(cell_spec(cell))
-    argv = [*base_overrides(STEPS, Path("unused")), *case.overrides()]
-    argv += data_args(cell["data"], {"shards": "web:1,code:1", "stream": "s.jsonl"})
-    argv += ft_args(cell["ft"], replica_id=0, lighthouse="http://127.0.0.1:1")
-    try:
-        RunPlan.build(load_config(argv), case.world_size)
-    except (ConfigError, UserError) as err:
-        return str(err)
+    layouts = [None, OTHER_LAYOUT[cell["layout"]]] if cell["resume"] == "resume_other_layout" else [None]
+    for layout in layouts:
+        case = ParityCase.parse(cell_spec(cell, layout))
+        argv = [*base_overrides(STEPS, Path("unused")), *case.overrides()]
+        argv += data_args(cell["data"], {"shards": "web:1,code:1", "stream": "s.jsonl"})
+        argv += ft_args(cell["ft"], replica_id=0, lighthouse="http://127.0.0.1:1")
+        try:
+            RunPlan.build(load_config(argv), case.world_size)
+        except (ConfigError, UserError) as err:
+            return str(err)
     return None
 
 

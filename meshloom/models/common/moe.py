@@ -61,6 +61,8 @@ class MoEArgs:
     n_expert_groups: int = 1  # group-limited routing: groups of experts ...
     n_limited_groups: int = 1  # ... and how many of them one token may use
     shared_hidden_dim: int = 0  # hidden size of the shared experts (one SwiGLU for all tokens); 0 = none
+    # A learned sigmoid gate per token (Linear(dim, 1)) scales the shared experts' output (Qwen2-MoE, Qwen3-Next).
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "hidden_dim", "n_expert_groups", "n_limited_groups"):
@@ -79,6 +81,8 @@ class MoEArgs:
             raise UserError(f"moe top_k={self.top_k} exceeds the {reachable} experts of n_limited_groups={self.n_limited_groups} groups")
         if self.route_scale <= 0 or self.shared_hidden_dim < 0:
             raise UserError("moe route_scale must be > 0 and shared_hidden_dim >= 0")
+        if self.shared_gate and not self.shared_hidden_dim:
+            raise UserError("moe shared_gate needs shared experts; set shared_hidden_dim > 0 or shared_gate = False")
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = ()) -> bool:
@@ -185,6 +189,7 @@ class MoE(nn.Module):
         )  # fmt: skip
         self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
         self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.shared_hidden_dim else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_gate else None
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
         # Token counts per expert, then the STAT_NAMES sums, since the last optimizer step: the step's first training
         # forward apart from the rest (see step_stats); never saved.
@@ -211,7 +216,11 @@ class MoE(nn.Module):
         # Weighted sum over each token's top_k outputs; bmm accumulates in float32 even for bf16 inputs.
         out = torch.bmm(routing.weights.to(outs.dtype).unsqueeze(1), outs).squeeze(1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_gate is not None:
+                # local: under tensor parallel the gate is replicated like the router and sees every token.
+                shared = torch.sigmoid(F.linear(tokens, local_tensor(self.shared_gate.weight))) * shared
+            out = out + shared
         out = out.view(b, s, dim)
         if self.training and torch.is_grad_enabled():
             out = self._balance(out, routing, counts, b, s)
@@ -263,5 +272,7 @@ class MoE(nn.Module):
         self.experts.init_weights(std, out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(std, out_std)
+        if self.shared_gate is not None:
+            trunc_normal_(self.shared_gate.weight, std)
         self.expert_bias.zero_()
         self.reset_stats()

@@ -113,6 +113,15 @@ def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).type_as(x)
 
 
+def apply_rope_half_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope_half` on the first 2 * cos.shape[-1] channels of each head (partial rotary: the tables were built
+    for that rotary dimension); the other channels pass unrotated."""
+    rotary = 2 * cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return apply_rope_half(x, cos, sin)
+    return torch.cat((apply_rope_half(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature for a context stretched `factor` times: 0.1·mscale·ln(factor) + 1 (1 if factor <= 1)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

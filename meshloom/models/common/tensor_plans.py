@@ -2,11 +2,14 @@
 
 Heads and hidden units are split: q/k/v and w1/w3 by column, wo and w2 by row, back to sequence shards. The
 sequence-sharded block input is gathered whole on the way into attention and the MLP (cos/sin stay local tensors).
+Per-head parameters that no projection holds (attention sinks, a recurrent layer's decay rates and convolution
+filters) go with their heads through `ShardHeads`.
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 
@@ -31,3 +34,19 @@ def dense_mlp_plan(prefix: str = "feed_forward") -> dict[str, ParallelStyle]:
         f"{prefix}.w3": ColwiseParallel(),
         f"{prefix}.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
+
+
+class ShardHeads(ParallelStyle):
+    """The module's parameters `names`, laid out head by head along dim 0, become DTensors sharded on dim 0 over tp,
+    so each rank holds the values of its own heads; the module reads them with `local_tensor`."""
+
+    def __init__(self, *names: str):
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name in self.names:
+            param = getattr(module, name)
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        return module

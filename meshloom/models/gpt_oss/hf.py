@@ -133,7 +133,7 @@ def hf_config(args: GptOssArgs, dtype: torch.dtype, base: Mapping[str, Any] | No
         num_local_experts=args.moe.n_experts,
         num_experts_per_tok=args.moe.top_k,
         sliding_window=args.sliding_window,
-        layer_types=list(args.layer_types),
+        layer_types=list(args.block_kinds),
         rms_norm_eps=args.norm_eps,
         rope_parameters=rope,
         swiglu_alpha=args.swiglu_alpha,
@@ -145,7 +145,7 @@ def hf_config(args: GptOssArgs, dtype: torch.dtype, base: Mapping[str, Any] | No
     return config
 
 
-_COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "moe", "sliding_window", "layer_types",
+_COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "moe", "sliding_window", "block_kinds",
              "norm_eps", "rope_theta", "rope_scaling", "swiglu_alpha", "swiglu_limit")  # fmt: skip
 
 

@@ -71,8 +71,9 @@ class GptOssArgs:
             raise UserError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"n_kv_heads ({self.n_kv_heads}) must be a positive divisor of n_heads ({self.n_heads})")
-        self.layer_types = tuple(self.layer_types) or tuple(SLIDING if i % 2 == 0 else FULL for i in range(self.n_layers))
-        if len(self.layer_types) != self.n_layers or set(self.layer_types) - {SLIDING, FULL}:
+        # Kept empty when not given, so a flavour's default pattern follows a changed n_layers (model.n_layers).
+        self.layer_types = tuple(self.layer_types)
+        if self.layer_types and (len(self.layer_types) != self.n_layers or set(self.layer_types) - {SLIDING, FULL}):
             raise UserError(
                 f"layer_types must name {SLIDING!r} or {FULL!r} once per block ({self.n_layers}), got {list(self.layer_types)}"
             )
@@ -81,8 +82,13 @@ class GptOssArgs:
     def tie_embeddings(self) -> bool:
         return False  # gpt-oss never ties them
 
+    @property
+    def block_kinds(self) -> tuple[str, ...]:
+        """Each block's attention kind: layer_types, or the default alternation."""
+        return self.layer_types or tuple(SLIDING if i % 2 == 0 else FULL for i in range(self.n_layers))
+
     def window(self, layer: int) -> int | None:
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+        return self.sliding_window if self.block_kinds[layer] == SLIDING else None
 
 
 class SinkAttention(nn.Module):

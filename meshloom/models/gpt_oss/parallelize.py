@@ -14,42 +14,19 @@ Compile on CPU is refused: torch 2.13 compiles FlexAttention on CPU for inferenc
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.models.common.tensor_plans import attention_plan
+from meshloom.models.common.tensor_plans import ShardHeads, attention_plan
 from meshloom.models.gpt_oss.model import GptOss, GptOssArgs
 from meshloom.parallel.apply import BlockPlan, ParallelParts
 from meshloom.parallel.dims import ParallelDims, check_divisible
 from meshloom.parallel.moe_tensor import moe_block_plan
 
+
 def check_layout(args: GptOssArgs, config: Config, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows; Hugging Face
-    exports need a model GptOssForCausalLM can represent (compile on CPU is declared in meshloom/planning/features.py)."""
+    """Every tensor-parallel rank gets whole heads, kv heads and vocabulary rows (compile on CPU and Hugging Face
+    exports with a balancing bias are declared in meshloom/planning/features.py)."""
     check_divisible("tp", dims.tp, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size})
-    if config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
-        raise ConfigError(
-            "checkpoint.hf_export_interval with moe.bias_update_rate > 0: Hugging Face gpt-oss has no place for the "
-            "balancing bias, so the exports would route tokens differently; set moe.bias_update_rate = 0 or "
-            "checkpoint.hf_export_interval = 0"
-        )
-
-
-class ShardHeads(ParallelStyle):
-    """The module's per-head parameter `name` (one value per query head) becomes a DTensor sharded on dim 0 over tp,
-    so each rank holds the values of its own heads."""
-
-    def __init__(self, name: str):
-        super().__init__()
-        self.name = name
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        param = getattr(module, self.name)
-        sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None)
-        module.register_parameter(self.name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        return module
 
 
 def block_tp_plan(block: nn.Module, replicate_experts: bool) -> BlockPlan:

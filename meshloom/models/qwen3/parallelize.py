@@ -21,7 +21,6 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.common.tensor_plans import attention_plan, dense_mlp_plan
 from meshloom.models.qwen3.model import Qwen3, Qwen3Args
@@ -31,20 +30,14 @@ from meshloom.parallel.moe_tensor import moe_block_plan
 
 
 def check_layout(args: Qwen3Args, config: Config, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, kv heads, vocabulary rows and MLP rows; Hugging Face exports need
-    a model that Qwen3-MoE can represent."""
+    """Every tensor-parallel rank gets whole heads, kv heads, vocabulary rows and MLP rows (that Hugging Face exports
+    cannot hold a balancing bias is declared in meshloom/planning/features.py)."""
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size}
     if args.has_dense_layers:
         sizes["ffn_hidden_dim"] = args.ffn_hidden_dim
     if args.moe is not None and args.moe.shared_hidden_dim:
         sizes["shared_hidden_dim"] = args.moe.shared_hidden_dim
     check_divisible("tp", dims.tp, sizes)
-    if args.moe is not None and config.checkpoint.hf_export_interval and config.moe.bias_update_rate > 0:
-        raise ConfigError(
-            "checkpoint.hf_export_interval with moe.bias_update_rate > 0: Hugging Face Qwen3-MoE has no place for the "
-            "balancing bias, so the exports would route tokens differently; set moe.bias_update_rate = 0 (balance with "
-            "moe.aux_loss_coef instead) or checkpoint.hf_export_interval = 0"
-        )
 
 
 def block_tp_plan(block: nn.Module, replicate_experts: bool) -> BlockPlan:
