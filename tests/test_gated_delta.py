@@ -132,13 +132,23 @@ def test_state_hands_over_between_halves(rule):
     _close(final, whole_final)
 
 
-def test_output_keeps_input_dtype_and_state_is_float32():
+@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_output_keeps_input_dtype_and_state_is_float32(rule):
     q, k, v, g, beta, _ = _inputs(s=9)
-    out, state = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, scale=0.5)
+    out, state = rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, scale=0.5)
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
-    expected, _ = chunk_gated_delta_rule(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), g, beta,
-                                         scale=0.5)
+    expected, _ = rule(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), g, beta, scale=0.5)
     _close(out.float(), expected.bfloat16().float())
+
+
+@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_bf16_autocast_does_not_lower_the_float32_computation(rule):
+    q, k, v, g, beta, state = _inputs(s=19)
+    expected, expected_final = rule(q, k, v, g, beta, scale=0.5, initial_state=state)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, final = rule(q, k, v, g, beta, scale=0.5, initial_state=state)
+    _close(out, expected)
+    _close(final, expected_final)
 
 
 def _conv_inputs(b=2, s=19, channels=5, width=4):

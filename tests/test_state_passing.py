@@ -89,7 +89,8 @@ def _case(group, cp: int, kind: str, documents: bool, seq: int) -> tuple[dict[st
     rank = dist.get_rank(group)
     shard = lambda t: layout.shard(t, rank)  # noqa: E731
     local = [shard(t).requires_grad_() for t in tensors[:-1]] + [tensors[-1].clone().requires_grad_()]
-    core = StatePassingCore(group, layout)
+    # Rule chunks of 5 tokens: several per context-parallel chunk, padded, and a document edge inside one.
+    core = StatePassingCore(group, layout, chunk_size=5)
     got = _run(core, local, None if ids is None else shard(ids), shard(rule_grad), shard(conv_grad))
     # The convolution weight is replicated: its gradient is the sum of the ranks' (as data parallel reduces it).
     dist.all_reduce(local[-1].grad, group=group)

@@ -99,9 +99,10 @@ class StatePassingCore:
     model uses (`resolve()`, `rank_chunks(rank)`, `chunks_per_rank`, `num_chunks`, `cp`); document_ids [b,
     shard_len] is this rank's shard of the batch's ids."""
 
-    def __init__(self, group: dist.ProcessGroup, layout: Layout):
+    def __init__(self, group: dist.ProcessGroup, layout: Layout, chunk_size: int = 64):
         self.group = group
         self.layout = layout
+        self.chunk_size = chunk_size  # the chunked rule's own chunks inside each context-parallel chunk
         self.rank = dist.get_rank(group)
         self.bytes_sent = BytesSent()
         # The latest batch's gathered document edges by tail width (see _gathered_edges).
@@ -118,16 +119,26 @@ class StatePassingCore:
         ids = None if document_ids is None else _as_chunks(document_ids, per_rank)
         start = torch.zeros(per_rank * b, h, dk, dv + dk, device=q.device)
         start[..., dv:] = torch.eye(dk, device=q.device)
-        out, final = chunk_gated_delta_rule(*chunks, scale=scale, initial_state=start, document_ids=ids)
+        out, final = chunk_gated_delta_rule(*chunks, scale=scale, initial_state=start, document_ids=ids,
+                                            chunk_size=self.chunk_size)
         # Rank-major, shard order: [cp * per_rank, b, h, dk, dv + dk] = every chunk's [B | T].
         pairs = all_gather_rows(final.unflatten(0, (per_rank, b)), self.group, self.bytes_sent)
         starts_document = None if document_ids is None else self._starts_document(document_ids, layout, 1)
+        with torch.autocast(q.device.type, enabled=False):  # the scan and correction stay float32, as the rule
+            corrected = self._corrected(out, pairs, starts_document, layout, dv)
+        return _from_chunks(corrected, per_rank).to(q.dtype)
+
+    def _corrected(self, out: Tensor, pairs: Tensor, starts_document: Tensor | None, layout: SequenceLayout,
+                   dv: int) -> Tensor:
+        """The local outputs plus the incoming state's share, R_t S_in(c), from the gathered pairs."""
+        b, h, dk = pairs.shape[1], pairs.shape[2], pairs.shape[3]
         # The exclusive scan over every chunk, then this rank's picked from it: the gather then stays in the graph
         # of a rank whose chunks read no earlier state (chunk 0 alone), whose backward must still join the
         # reduce-scatter of the others' gradients.
-        states = [torch.zeros(b, h, dk, dv, device=q.device)]
+        states = [torch.zeros(b, h, dk, dv, device=out.device)]
+        by_slot = pairs.unbind(0)
         for chunk, slot in enumerate(sequence_slots(layout)[:-1], start=1):
-            pair = pairs[slot]
+            pair = by_slot[slot]
             state = pair[..., dv:] @ states[-1] + pair[..., :dv]
             if starts_document is not None:
                 state = state * (~starts_document[chunk]).float()[:, None, None, None]
@@ -135,8 +146,7 @@ class StatePassingCore:
         incoming = torch.stack(states)  # [num_chunks, b, h, dk, dv]
         mine = list(layout.rank_chunks(self.rank))
         incoming_states = incoming[mine].flatten(0, 1)  # [per_rank * b, h, dk, dv]
-        corrected = out[..., :dv] + torch.einsum("nshk,nhkv->nshv", out[..., dv:], incoming_states)
-        return _from_chunks(corrected, per_rank).to(q.dtype)
+        return out[..., :dv] + torch.einsum("nshk,nhkv->nshv", out[..., dv:], incoming_states)
 
     def conv(self, x: Tensor, weight: Tensor, document_ids: Tensor | None = None) -> Tensor:
         """This rank's rows of `causal_depthwise_conv` over the whole sequence (no history before its start)."""

@@ -48,14 +48,17 @@ def chunk_gated_delta_rule(
     document; the state resets where the id changes from the previous token). Computes in float32.
     Returns (out [b, s, h, dv] in q.dtype, final state [b, h, dk, dv] float32).
 
-    `initial_state` may be wider than v ([b, h, dk, dv'], dv' > dv): its extra columns evolve with zero values and
+    `initial_state` belongs to the document of the first token (which never resets): a caller handing over a state
+    from an earlier part of the sequence cuts it itself where that part's last id differs from this first one.
+    It may be wider than v ([b, h, dk, dv'], dv' > dv): its extra columns evolve with zero values and
     `out` and the final state then have dv' columns. Started at the identity, they give how the outputs and the
     final state depend on the incoming state (context parallel's state passing uses this)."""
     if q.is_cuda and _fla_ops() is not None:
         return _fla_rule(_fla_ops().chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, document_ids)
     segments = None if document_ids is None else document_segments(document_ids)
-    out, state = chunked_scan(q, k, v, g, beta, scale=scale, state=_initial(q, v, initial_state),
-                              segments=segments, chunk_size=chunk_size)
+    with torch.autocast(q.device.type, enabled=False):  # float32 also inside an autocast region
+        out, state = chunked_scan(q, k, v, g, beta, scale=scale, state=_initial(q, v, initial_state),
+                                  segments=segments, chunk_size=chunk_size)
     return out.to(q.dtype), state
 
 
@@ -74,22 +77,25 @@ def recurrent_gated_delta_rule(
     if q.is_cuda and _fla_ops() is not None:
         return _fla_rule(_fla_ops().fused_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
                          document_ids)
+    dtype = q.dtype
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     state = _initial(q, v, initial_state)
     v = F.pad(v, (0, state.shape[-1] - v.shape[-1]))  # a wider state's extra columns see zero values
-    segments = None if document_ids is None else document_segments(document_ids)
+    # Cut before token t where a document starts there (token 0 never: the initial state is its document's).
+    keep = torch.ones(q.shape[:2], device=q.device)
+    if document_ids is not None:
+        keep[:, 1:] = (document_ids[:, 1:] == document_ids[:, :-1]).float()
     outs = []
-    for t in range(q.shape[1]):
-        if segments is not None and t > 0:
-            state = state * (segments[:, t] == segments[:, t - 1]).to(state.dtype)[:, None, None, None]
-        state = state * g[:, t].exp()[..., None, None]
-        k_t = k[:, t]
-        predicted = torch.einsum("bhkv,bhk->bhv", state, k_t)
-        delta = beta[:, t, :, None] * (v[:, t] - predicted)
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t] * scale))
+    with torch.autocast(q.device.type, enabled=False):  # float32 also inside an autocast region
+        # unbind, not indexing in the loop (see chunked_scan).
+        for q_t, k_t, v_t, g_t, beta_t, keep_t in zip(*(x.unbind(1) for x in (q, k, v, g, beta, keep))):
+            state = state * (keep_t[:, None, None, None] * g_t.exp()[..., None, None])
+            predicted = torch.einsum("bhkv,bhk->bhv", state, k_t)
+            delta = beta_t[..., None] * (v_t - predicted)
+            state = state + k_t[..., :, None] * delta[..., None, :]
+            outs.append(torch.einsum("bhkv,bhk->bhv", state, q_t * scale))
     out = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
-    return out.to(q.dtype), state
+    return out.to(dtype), state
 
 
 def chunked_scan(
@@ -149,11 +155,14 @@ def chunked_scan(
     keys_to_end = k * to_end.unsqueeze(-1)
     state_decay = (decay[..., -1].exp() * carries[..., -1])[..., None, None]
 
+    # Per-chunk views by unbind, not by indexing in the loop: indexing's backward writes a full-size zero gradient
+    # for every chunk, which makes the backward quadratic in the sequence length.
+    per_chunk = zip(*(x.unbind(2) for x in (new_values, state_keys, query_read, scores, keys_to_end, state_decay)))
     outs = []
-    for i in range(n):
-        update = new_values[:, :, i] - state_keys[:, :, i] @ state
-        outs.append(query_read[:, :, i] @ state + scores[:, :, i] @ update)
-        state = state * state_decay[:, :, i] + keys_to_end[:, :, i].transpose(-1, -2) @ update
+    for chunk_values, chunk_keys, chunk_queries, chunk_scores, chunk_keys_to_end, chunk_decay in per_chunk:
+        update = chunk_values - chunk_keys @ state
+        outs.append(chunk_queries @ state + chunk_scores @ update)
+        state = state * chunk_decay + chunk_keys_to_end.transpose(-1, -2) @ update
     out = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(b, n * c, h, wide)
     return out[:, :s], state
 
