@@ -21,7 +21,8 @@ What one rank holds, by kind:
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
   copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it. On CPU, attention without a fused
   kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`);
-- transient: the logits' gradient at the start of backward.
+- transient: the logits' gradient at the start of backward (under loss parallel, the fused backward's three
+  vocabulary-wide temporaries).
 
 The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
@@ -376,7 +377,11 @@ def estimate_memory(
             head = shape.last_stage_recompute_bytes_per_token(layout.ac, layout.tp, a, loss_parallel, layout.ep)
             recompute_peak = max(recompute_peak, saved + tokens * head)
         activations = int(max(saved + tokens * (loss_logits + loss_shift), recompute_peak))
-        logits_grad = 2 * FP32 * vocab if stage.last else 0.0  # log-softmax's gradient and its input's
+        # The log-softmax's gradient and its input's. Loss parallel's backward is one fused step for the loss and the
+        # log-softmax (torch's `_nll_loss_and_log_softmax_backward`, torch.distributed.tensor.parallel.loss): it zeroes
+        # a vocabulary-wide gradient, adds exp of the saved log-probabilities to it and multiplies the sum by the
+        # loss's gradient, so three fp32 vocabulary-wide tensors are alive next to the saved one, not two.
+        logits_grad = (3 if loss_shift else 2) * FP32 * vocab if stage.last else 0.0
         transient = int(tokens * logits_grad)
         # Gradients exist during a forward only once an earlier microbatch's backward ran (accumulation, or a pipeline
         # schedule's later microbatches); zero_grad frees them at the end of each step.
