@@ -189,7 +189,7 @@ def root_activation_bytes_per_token(
     shape: ShapeModel, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True,
     ac: str = "none", ep: int = 1, loss_bytes: int = FP32,
 ) -> float:  # fmt: skip
-    """The embedding's indices on the first stage; the final norm and the fp32 log-softmax on the last, and whatever
+    """The embedding's indices on the first stage; the final norm and the log-softmax (in `loss_bytes`) on the last, and whatever
     else the family keeps there (`first`/`last` = False leaves that end out)."""
     total = 0.0
     if stage.first and first:
@@ -335,7 +335,7 @@ def estimate_memory(
             gathered = 0
         vocab = shape.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else shape.vocab_size
         logits = precision.loss_bytes * vocab if stage.last else 0.0
-        # The pipeline schedule keeps each microbatch's stage output (the fp32 logits on the last stage) until
+        # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last stage) until
         # that microbatch's backward is done.
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
         modes = layout.block_ac_modes(stage.block_ids)
@@ -383,7 +383,7 @@ def estimate_memory(
         # The log-softmax's gradient and its input's. Loss parallel's backward is one fused step for the loss and the
         # log-softmax (torch's `_nll_loss_and_log_softmax_backward`, torch.distributed.tensor.parallel.loss): it zeroes
         # a vocabulary-wide gradient, adds exp of the saved log-probabilities to it and multiplies the sum by the
-        # loss's gradient, so three fp32 vocabulary-wide tensors are alive next to the saved one, not two.
+        # loss's gradient, so three vocabulary-wide tensors (in the loss's dtype) are alive next to the saved one, not two.
         logits_grad = (3 if loss_shift else 2) * precision.loss_bytes * vocab if stage.last else 0.0
         transient = int(tokens * logits_grad)
         # Gradients exist during a forward only once an earlier microbatch's backward ran (accumulation, or a pipeline
