@@ -189,8 +189,8 @@ def root_activation_bytes_per_token(
     shape: ShapeModel, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True,
     ac: str = "none", ep: int = 1, loss_bytes: int = FP32,
 ) -> float:  # fmt: skip
-    """The embedding's indices on the first stage; the final norm and the log-softmax (in `loss_bytes`) on the last, and whatever
-    else the family keeps there (`first`/`last` = False leaves that end out)."""
+    """The embedding's indices on the first stage; the final norm and the log-softmax (in `loss_bytes`) on the last,
+    and whatever else the family keeps there (`first`/`last` = False leaves that end out)."""
     total = 0.0
     if stage.first and first:
         total += 8  # int64 token ids kept by the embedding's backward
@@ -335,8 +335,8 @@ def estimate_memory(
             gathered = 0
         vocab = shape.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else shape.vocab_size
         logits = precision.loss_bytes * vocab if stage.last else 0.0
-        # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last stage) until
-        # that microbatch's backward is done.
+        # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last
+        # stage) until that microbatch's backward is done.
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
         modes = layout.block_ac_modes(stage.block_ids)
         per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
