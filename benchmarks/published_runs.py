@@ -36,6 +36,16 @@ TITAN_COMMIT = "https://github.com/pytorch/torchtitan/tree/9dec370ad26b5f8e9a733
 TITAN_DSV3 = "https://github.com/pytorch/torchtitan/issues/1789"
 AUTOMODEL = "https://docs.nvidia.com/nemo/automodel/latest/performance-summary.html"
 DEEPSEEK_V3 = "https://arxiv.org/abs/2412.19437"
+# The benchmark configs AutoModel's performance summary links (examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml,
+# examples/llm_benchmark/deepseek/deepseek_v3_te_deepep.yaml; read at NVIDIA-NeMo/Automodel 36044ad).
+AUTOMODEL_CONFIGS = "https://github.com/NVIDIA-NeMo/Automodel/tree/main/examples/llm_benchmark"
+AUTOMODEL_SETTINGS = ("its config: activation_checkpointing true (full AC), MoE reshard_after_forward false, "
+                      "MaskedCrossEntropy with fp32_upcast false, no model dtype (bf16)")  # fmt: skip
+# AutoModel builds the model in bf16 (`NeMoAutoModelForCausalLM.from_config`: torch_dtype "auto" is torch.bfloat16), so
+# the sharded parameters, their reduced gradients and Adam's moments are bf16; FSDP's MixedPrecisionPolicy reduces in
+# fp32 (nemo_automodel/components/moe/parallelizer.py), so the unsharded gradients it accumulates are fp32, as the
+# estimate has them. The loss takes the bf16 logits without the fp32 upcast.
+AUTOMODEL_PRECISION = Precision("bf16", master_bytes=2, loss_bytes=2)
 # The planner's default compute rate (meshloom plan --mfu) and why it stands where a source logged none: torchtitan
 # states 33-39% MFU for its bf16 Llama 3.1 8B runs on these H100s, with and without compile.
 PLANNER_MFU = 0.4
@@ -95,12 +105,15 @@ class Run:
     ac_open: bool = False
     # Per-GPU link bandwidths (inside a node, between nodes) where they are not the H100's (Cluster.bandwidth).
     bandwidth: tuple[float, float] | None = None
+    # The run's dtypes: bf16 compute with fp32 masters and an fp32 loss (torchtitan's, meshloom's) unless stated.
+    precision: Precision = Precision("bf16")
 
 
 def _run(name, model, flavor, gpus, seq, tps, source, note="", mfu=None, mfu_basis=DEFAULT_MFU_BASIS, memory=None,
-         gpu_gib=H100_80_GIB, titan_op_sac=False, ac_open=False, bandwidth=None, **layout) -> Run:  # fmt: skip
+         gpu_gib=H100_80_GIB, titan_op_sac=False, ac_open=False, bandwidth=None, precision=Precision("bf16"),
+         **layout) -> Run:  # fmt: skip
     return Run(name, model, flavor, gpus, seq, Layout(**layout), tps, source, note, mfu, mfu_basis, memory, gpu_gib,
-               titan_op_sac=titan_op_sac, ac_open=ac_open, bandwidth=bandwidth)  # fmt: skip
+               titan_op_sac=titan_op_sac, ac_open=ac_open, bandwidth=bandwidth, precision=precision)  # fmt: skip
 
 
 TITAN_SAC = "table 1: selective AC (torchtitan's op policy, every second matmul recomputed), local batch 2"
@@ -129,13 +142,14 @@ RUNS = [
          "step-10 log line; local batch 4 and full AC assumed", mfu=0.205, mfu_basis="logged: 20.5% MFU (torchtitan's count)",
          dp_shard=8, ep=8, ac="full", microbatch_size=4),
     _run("Qwen3-30B-A3B, FSDP 8 x EP 8 (NeMo AutoModel)", "qwen3", "30B-A3B", 8, 4096, 12040, AUTOMODEL,
-         "MBS 4, GA 16, TE + DeepEP; AC unstated", mfu=277 / H100_BF16_TFLOPS,
-         mfu_basis="logged: 277 model TFLOP/s per GPU", ac_open=True, dp_shard=8, ep=8, microbatch_size=4,
-         microbatches=16, grad_accum_steps=16),
+         "MBS 4, GA 16, TE + DeepEP; " + AUTOMODEL_SETTINGS, mfu=277 / H100_BF16_TFLOPS,
+         mfu_basis="logged: 277 model TFLOP/s per GPU", precision=AUTOMODEL_PRECISION, dp_shard=8, ep=8, ac="full",
+         reshard_after_forward=False, microbatch_size=4, microbatches=16, grad_accum_steps=16),
     _run("DeepSeek-V3 671B, PP 4 x EP 64, 256 GPUs (NeMo AutoModel)", "deepseek_v3", "671B", 256, 4096, 1002, AUTOMODEL,
-         "VP 8 as Interleaved1F1B with 8 stages per rank, LBS 8 as 8 microbatches of 1, GA 1, TE + DeepEP; AC unstated",
-         mfu=250 / H100_BF16_TFLOPS, mfu_basis="logged: 250 model TFLOP/s per GPU", ac_open=True, dp_shard=64, pp=4,
-         ep=64, microbatch_size=1, microbatches=8, pipeline_schedule="Interleaved1F1B", stages_per_rank=8),
+         "VP 8 as Interleaved1F1B with 8 stages per rank, LBS 8 as 8 microbatches of 1, GA 1, TE + DeepEP; "
+         + AUTOMODEL_SETTINGS, mfu=250 / H100_BF16_TFLOPS, mfu_basis="logged: 250 model TFLOP/s per GPU",
+         precision=AUTOMODEL_PRECISION, dp_shard=64, pp=4, ep=64, ac="full", reshard_after_forward=False,
+         microbatch_size=1, microbatches=8, pipeline_schedule="Interleaved1F1B", stages_per_rank=8),
     _run("DeepSeek-V3 671B, PP 16 x EP 64, 2,048 H800 (DeepSeek)", "deepseek_v3", "671B", 2048, 4096, 1543, DEEPSEEK_V3,
          "180K H800 GPU-hours per trillion tokens (section 1); DualPipe as DualPipeV, batch 15,360 (its final), FP8 "
          "(meshloom's Float8: dense linears only), H800 links; its recomputation (RMSNorm, MLA up-projections) and FP8 "
@@ -177,7 +191,7 @@ def compared_layout(run: Run, shape: ShapeModel) -> Layout:
     if run.ac_open:
         for ac in ("none", "selective_op", "full"):
             layout = dataclasses.replace(run.layout, ac=ac)
-            peak = estimate_memory(shape, layout, run.seq_len, Precision("bf16")).peak
+            peak = estimate_memory(shape, layout, run.seq_len, run.precision).peak
             if cluster_of(run, layout, shape).fits(peak, layout):
                 return layout
         return dataclasses.replace(run.layout, ac="full")
@@ -215,8 +229,8 @@ def predict(run: Run, mfu: float | None = None) -> Prediction:
     assert run.layout.world_size == run.gpus, run.name
     layout = compared_layout(run, shape)
     cluster = cluster_of(run, layout, shape, mfu)
-    time = step_time(shape, layout, run.seq_len, Precision("bf16"), cluster)
-    memory = estimate_memory(shape, layout, run.seq_len, Precision("bf16"))
+    time = step_time(shape, layout, run.seq_len, run.precision, cluster)
+    memory = estimate_memory(shape, layout, run.seq_len, run.precision)
     device = device_bytes(memory.peak, layout)
     return Prediction(layout, time, memory.peak / GIB, memory.stage, device / GIB, cluster.fits(memory.peak, layout))
 

@@ -113,6 +113,12 @@ class Precision:
     # The device kind whose kernels run the model ("cuda" or "cpu"): on CPU, SDPA has no fused kernel for unequal
     # query and value head sizes, and its math path keeps what a fused kernel does not (ShapeModel.with_math_attention).
     device: str = "cuda"
+    # Bytes per element of the sharded parameters, their reduced gradients and the optimizer's moments: meshloom keeps
+    # fp32 masters; a framework that builds the model in bf16 (NeMo AutoModel's `from_config`) keeps all three in bf16.
+    master_bytes: int = FP32
+    # Bytes per element of the logits the loss takes and of the loss's vocabulary-wide tensors: meshloom upcasts them
+    # to fp32; a loss without the upcast (AutoModel's MaskedCrossEntropy with fp32_upcast false) runs in bf16.
+    loss_bytes: int = FP32
 
     @property
     def compute_bytes(self) -> int:

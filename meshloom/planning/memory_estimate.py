@@ -21,7 +21,8 @@ What one rank holds, by kind:
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
   copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it. On CPU, attention without a fused
   kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`);
-- transient: the logits' gradient at the start of backward.
+- transient: the logits' gradient at the start of backward (under loss parallel, the fused backward's three
+  vocabulary-wide temporaries).
 
 The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
@@ -186,17 +187,17 @@ def pipeline_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
 
 def root_activation_bytes_per_token(
     shape: ShapeModel, stage: StageShape, tp: int, act_bytes: int, loss_parallel: bool, first: bool = True, last: bool = True,
-    ac: str = "none", ep: int = 1,
+    ac: str = "none", ep: int = 1, loss_bytes: int = FP32,
 ) -> float:  # fmt: skip
-    """The embedding's indices on the first stage; the final norm and the fp32 log-softmax on the last, and whatever
-    else the family keeps there (`first`/`last` = False leaves that end out)."""
+    """The embedding's indices on the first stage; the final norm and the log-softmax (in `loss_bytes`) on the last,
+    and whatever else the family keeps there (`first`/`last` = False leaves that end out)."""
     total = 0.0
     if stage.first and first:
         total += 8  # int64 token ids kept by the embedding's backward
     if stage.last and last:
         d, a = shape.dim, act_bytes
         vocab = shape.vocab_size / tp if (tp > 1 and loss_parallel) else shape.vocab_size
-        total += (FP32 * d + a * d) / tp + a * d + FP32 * vocab
+        total += (FP32 * d + a * d) / tp + a * d + loss_bytes * vocab
         total += shape.last_stage_extra_activation_bytes_per_token(ac, tp, act_bytes, loss_parallel, ep)
     return total
 
@@ -309,15 +310,16 @@ def estimate_memory(
         param_elems = sum(sharded[id(block)] for block in blocks) + local_numel(roots, layout)
         gathered_blocks = sorted((whole[id(block)] for block in blocks), reverse=True)
         full_elems = sum(gathered_blocks) + local_numel(roots, layout, fsdp=1)  # unsharded over FSDP
-        params = FP32 * param_elems
+        master = precision.master_bytes
+        params = master * param_elems
         state_elems = sum(state[id(block)] for block in blocks) + optimizer_state_numel(roots, layout, optimizer)
-        optimizer_bytes = FP32 * state_elems if with_optimizer else 0
-        grads = FP32 * param_elems
+        optimizer_bytes = master * state_elems if with_optimizer else 0
+        grads = master * param_elems
         if layout.tp > 1 and not sharded_data_parallel and stage.first and not shape.tie_embeddings:
             # DTensor's embedding backward returns the table's gradient replicated, not vocabulary-sharded
             # (measured in torch 2.13); FSDP's reduce-scatter would shard it again. A table tied to the output
             # projection receives the projection's sharded gradient first, and the embedding's is added into it.
-            grads += FP32 * (shape.vocab_size - _split(shape.vocab_size, layout.tp)) * shape.dim
+            grads += master * (shape.vocab_size - _split(shape.vocab_size, layout.tp)) * shape.dim
         if sharded_data_parallel and fsdp > 1 and accumulate:
             # set_requires_gradient_sync(False) keeps unsharded gradients between microbatches.
             grads = precision.reduce_dtype_bytes * full_elems
@@ -332,13 +334,15 @@ def estimate_memory(
         else:
             gathered = 0
         vocab = shape.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else shape.vocab_size
-        logits = FP32 * vocab if stage.last else 0.0
-        # The pipeline schedule keeps each microbatch's stage output (the fp32 logits on the last stage) until
-        # that microbatch's backward is done.
+        logits = precision.loss_bytes * vocab if stage.last else 0.0
+        # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last
+        # stage) until that microbatch's backward is done.
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
         modes = layout.block_ac_modes(stage.block_ids)
         per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
-        per_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep) + held_output
+        per_root = root_activation_bytes_per_token(
+            shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep, loss_bytes=precision.loss_bytes
+        ) + held_output
         first_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False)
         # DualPipeV's rank 0 holds the last stage at the V's turn, where torch's ScheduleDualPipeV runs each
         # microbatch's backward right after its forward: at the rank's peak that stage holds one microbatch (its
@@ -376,7 +380,11 @@ def estimate_memory(
             head = shape.last_stage_recompute_bytes_per_token(layout.ac, layout.tp, a, loss_parallel, layout.ep)
             recompute_peak = max(recompute_peak, saved + tokens * head)
         activations = int(max(saved + tokens * (loss_logits + loss_shift), recompute_peak))
-        logits_grad = 2 * FP32 * vocab if stage.last else 0.0  # log-softmax's gradient and its input's
+        # The log-softmax's gradient and its input's. Loss parallel's backward is one fused step for the loss and the
+        # log-softmax (torch's `_nll_loss_and_log_softmax_backward`, torch.distributed.tensor.parallel.loss): it zeroes
+        # a vocabulary-wide gradient, adds exp of the saved log-probabilities to it and multiplies the sum by the
+        # loss's gradient, so three vocabulary-wide tensors (in the loss's dtype) are alive next to the saved one, not two.
+        logits_grad = (3 if loss_shift else 2) * precision.loss_bytes * vocab if stage.last else 0.0
         transient = int(tokens * logits_grad)
         # Gradients exist during a forward only once an earlier microbatch's backward ran (accumulation, or a pipeline
         # schedule's later microbatches); zero_grad frees them at the end of each step.
@@ -399,7 +407,7 @@ def estimate_memory(
             last = stage.block_ids[-1] if stage.block_ids else None
             if last is not None and modes[-1] != "none" and not is_moe_block(shape, last):
                 alive = max(alive, recompute_peak)
-            unit_backward = (a + precision.reduce_dtype_bytes) * unit + FP32 * _split(unit, fsdp) + int(alive) + gathered
+            unit_backward = (a + precision.reduce_dtype_bytes) * unit + master * _split(unit, fsdp) + int(alive) + gathered
             backward_end = max(backward_end, unit_backward + (grads if accumulate else 0))
             # Inside the backward of any checkpointed block (not only the last): once its MLP's backward is done, the
             # MLP's unsharded gradients (a MoE block's experts, most of its unit) are alive next to the token mixer's
@@ -426,7 +434,7 @@ def estimate_memory(
                     mixer = _mixer_recompute(shape, layer, mode, layout.tp, a)
                     held = stage.inflight * tokens * (kept_so_far + first_root) + tokens * mixer
                     mid_block = (
-                        a * mlp + precision.reduce_dtype_bytes * next_unit + FP32 * reduced_after[position + 1]
+                        a * mlp + precision.reduce_dtype_bytes * next_unit + master * reduced_after[position + 1]
                         + int(held) + (in_block if layout.reshard_after_forward else gathered)
                     )  # fmt: skip
                     backward_end = max(backward_end, mid_block + (grads if accumulate else 0))
