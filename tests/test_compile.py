@@ -73,8 +73,10 @@ def test_compile_and_ac_compose_with_fsdp_tp_pp_cp_and_float8_stays_near_bf16(tm
     assert 0 < diff <= FLOAT8_LOSS_BOUND_VS_BF16, diff
 
 
-def test_async_tp_is_a_config_error_on_cpu(tmp_path):
+def test_async_tp_without_tensor_parallel_is_a_config_error(tmp_path):
     argv = base_overrides(2, tmp_path) + COMPILE + ["--compile.async_tp", "true", "--job.dump_folder", str(tmp_path / "r")]
-    argv += ["--training.device", "cpu"]  # also on a GPU host (test_cuda.py runs async TP there)
-    with pytest.raises(ConfigError, match=r"compile.async_tp needs CUDA GPUs .* set compile.async_tp = false"):
+    argv += ["--training.device", "cpu"]  # on CPU with tp 2 it is refused too (tests/test_checks_before_start.py)
+    with pytest.raises(ConfigError, match=r"compile.async_tp = True has no effect: it acts only when compile.enable = "
+                       r"true and parallelism.tp > 1"):
         Trainer(load_config(argv))
+    assert not (tmp_path / "r").exists()

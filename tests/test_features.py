@@ -26,7 +26,8 @@ def _world(argv: list[str]) -> int:
 
 @pytest.mark.parametrize("conflict", CONFLICTS, ids=lambda c: f"{c.first}-{c.second}")
 def test_each_declared_pair_is_refused_with_its_line(conflict: Conflict, tmp_path: Path) -> None:
-    argv = [*base_overrides(6, tmp_path), *FEATURES[conflict.first].witness, *FEATURES[conflict.second].witness]
+    argv = [*base_overrides(6, tmp_path), *FEATURES[conflict.first].witness, *FEATURES[conflict.second].witness,
+            *conflict.when_witness]
     config = load_config(argv)
     with pytest.raises(ConfigError) as refused:
         RunPlan.build(config, _world(argv))

@@ -75,6 +75,9 @@ class Conflict:
     when: Condition = lambda facts: True
     """A further condition, beyond both features being on."""
 
+    when_witness: tuple[str, ...] = ()
+    """Command-line settings that make `when` true in the parity harness's tiny run (the refusal tests add them)."""
+
     def line(self, facts: Facts | None = None) -> str:
         """The refusal; with the run's facts, a feature that a model has by its shape names the model."""
         model = f"{facts.config.model.name} {facts.config.model.flavor}" if facts else "the model.flavor"
@@ -166,6 +169,10 @@ _DEFINED = [
     Feature(
         "expert_loop", "expert loop", "moe.grouped_mm = 'off'", lambda f: f.n_experts > 0 and f.config.moe.grouped_mm == "off",
         ("--model.name", "qwen3", "--model.flavor", "tiny_moe", "--moe.grouped_mm", "off"),
+    ),
+    Feature(
+        "ac_whole_blocks", "AC of whole blocks", "activation_checkpoint.mode = 'full' or 'selective_layer'",
+        lambda f: f.config.activation_checkpoint.mode in ("full", "selective_layer"), ("--activation_checkpoint.mode", "full"),
     ),
     Feature(
         "ac_memory_budget", "AC memory budget", "activation_checkpoint.mode = 'memory_budget'",
@@ -275,6 +282,13 @@ CONFLICTS: tuple[Conflict, ...] = (
         "moe_aux_loss", "cp",
         "the sequence-wise balance loss needs whole sequences, which context parallel splits",
         "set moe.aux_loss_coef = 0 or parallelism.cp = 1",
+    ),
+    Conflict(
+        "ac_whole_blocks", "compile",
+        "under tensor parallel, torch 2.13's AOTAutograd fails on a compiled block that is checkpointed whole (the "
+        "recomputed region saves the DeviceMesh of its DTensors as if it were a tensor)",
+        "use activation_checkpoint.mode = 'selective_op' with compile under tensor parallel, or compile.enable = false",
+        when=lambda f: f.dims.tp > 1, when_witness=("--parallelism.tp", "2"),
     ),
     Conflict(
         "expert_loop", "compile",
