@@ -77,8 +77,10 @@ TABLE_MODELS = {
     "deepseek_v3": "model.name=deepseek_v3,model.flavor=debug,model.n_layers=2",
     # Four blocks: three Gated DeltaNet and one gated attention, every one sparse.
     "qwen3_next": "model.name=qwen3_next,model.flavor=debug,model.n_layers=4",
+    # Two blocks: one sliding-window and one full-attention block (gpt-oss alternates them), both sparse.
+    "gpt_oss": "model.name=gpt_oss,model.flavor=debug,model.n_layers=2",
 }
-MOE_MODELS = ("qwen3 MoE", "deepseek_v3", "qwen3_next")
+MOE_MODELS = ("qwen3 MoE", "deepseek_v3", "qwen3_next", "gpt_oss")
 TABLE_LAYOUTS = {
     "1 process": "",
     "FSDP 2": "dp_shard=2",
