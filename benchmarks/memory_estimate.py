@@ -161,6 +161,65 @@ def book_recomputation_as_activations(tracker):
         torch.utils.checkpoint._recomputation_hook = original
 
 
+def trace_flex_attention(tracker_types) -> None:
+    """Let the trackers follow FlexAttention's eager CPU operator (gpt-oss's attention) tensor by tensor.
+
+    FlexAttention's forward and backward are higher-order operators, which a dispatch mode must handle itself; the
+    trackers do not, and refuse them. Registered here for each tracker class: run the operator's eager (dense)
+    implementation with the tracker back on the mode stack, so that every aten op inside it (the whole score
+    matrix, its softmax and their gradients) is booked like any other op's output. The mask and score functions,
+    which the dense implementation evaluates under vmap, run with the tracker off the stack (it cannot read a batched
+    tensor's storage): their outputs, the boolean mask and the (identity) scores, are not booked. Registered once
+    per process."""
+    from torch._higher_order_ops.flex_attention import (
+        flex_attention,
+        flex_attention_backward,
+        sdpa_dense,
+        sdpa_dense_backward,
+    )
+    from torch.nn.attention import flex_attention as flex_api
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
+
+    if getattr(flex_api._vmap_for_bhqkv, "without_tracker", False):
+        return
+    vmap_for_bhqkv = flex_api._vmap_for_bhqkv
+
+    def vmap_without_tracker(fn, *args, **kwargs):
+        # A traced score function (backward's joint graph) is a module: the trackers' global module hooks would read
+        # its batched inputs, so it is called through its forward, which skips them.
+        mapped = vmap_for_bhqkv(fn.forward if isinstance(fn, torch.nn.Module) else fn, *args, **kwargs)
+
+        def call(*inputs):
+            if not isinstance(_get_current_dispatch_mode(), tuple(tracker_types)):
+                return mapped(*inputs)  # block masks are made outside the trackers too
+            tracker = _pop_mode()
+            try:
+                return mapped(*inputs)
+            finally:
+                _push_mode(tracker)
+
+        return call
+
+    vmap_without_tracker.without_tracker = True
+    # The dense implementations import it from the module at each call, so this is the one they use.
+    flex_api._vmap_for_bhqkv = vmap_without_tracker
+
+    def under_mode(dense):
+        def run(mode, *args, **kwargs):
+            # The operator's dispatch took the tracker off the stack for this call; put it back around the dense ops.
+            _push_mode(mode)
+            try:
+                return dense(*args, **kwargs)
+            finally:
+                _pop_mode()
+
+        return run
+
+    for tracker_type in tracker_types:
+        for operator, dense in ((flex_attention, sdpa_dense), (flex_attention_backward, sdpa_dense_backward)):
+            operator.py_impl(tracker_type)(under_mode(dense))
+
+
 def unshard_phase(tracker) -> bool:
     """Whether FSDPMemTracker is inside FSDP's pre-forward or pre-backward hook, where FSDP allocates the all-gather
     buffer (booked as an activation until the collective re-books it) and nothing of the model runs."""
@@ -200,6 +259,7 @@ def measure_case(spec: str, flavor: str, seq_len: int, batch: int, workdir: Path
     from meshloom.config import load_config
     from meshloom.train.trainer import Trainer
 
+    trace_flex_attention((FSDPMemTracker, MemTracker))
     config = load_config(case_args(spec, flavor, seq_len, batch, workdir))
     trainer = Trainer(config)
     trainer.train_step()  # optimizer state exists from here on
