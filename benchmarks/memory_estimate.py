@@ -161,7 +161,7 @@ def book_recomputation_as_activations(tracker):
         torch.utils.checkpoint._recomputation_hook = original
 
 
-def trace_flex_attention(tracker_types) -> None:
+def trace_flex_attention(tracker_types: tuple[type, ...]) -> None:
     """Let the trackers follow FlexAttention's eager CPU operator (gpt-oss's attention) tensor by tensor.
 
     FlexAttention's forward and backward are higher-order operators, which a dispatch mode must handle itself; the
