@@ -82,10 +82,10 @@ def run_mode(args: argparse.Namespace, mode: str, batch: int, out: Path) -> dict
     tokens_per_s = trainer.tokens_per_step * args.steps / elapsed
     tflops = tokens_per_s * trainer.throughput.flops_per_token / 1e12
     peak = trainer.throughput.peak_flops_per_second
-    from meshloom.models.common.gated_delta import _fla_ops
+    from meshloom.models.common.gated_delta import runs_fla_kernels
 
     model = trainer.config.model
-    fla = " (fla kernels)" if model.name == "qwen3_next" and device.type == "cuda" and _fla_ops() is not None else ""
+    fla = " (fla kernels)" if model.name == "qwen3_next" and runs_fla_kernels(device) else ""
     return {
         "mode": mode,
         "status": "ok",

@@ -53,7 +53,7 @@ def chunk_gated_delta_rule(
     It may be wider than v ([b, h, dk, dv'], dv' > dv): its extra columns evolve with zero values and
     `out` and the final state then have dv' columns. Started at the identity, they give how the outputs and the
     final state depend on the incoming state (context parallel's state passing uses this)."""
-    if q.is_cuda and _fla_ops() is not None:
+    if runs_fla_kernels(q.device):
         return _fla_rule(_fla_ops().chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, document_ids)
     segments = None if document_ids is None else document_segments(document_ids)
     with torch.autocast(q.device.type, enabled=False):  # float32 also inside an autocast region
@@ -74,7 +74,7 @@ def recurrent_gated_delta_rule(
     document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as `chunk_gated_delta_rule`, token by token (decoding, and the chunked form's reference)."""
-    if q.is_cuda and _fla_ops() is not None:
+    if runs_fla_kernels(q.device):
         return _fla_rule(_fla_ops().fused_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
                          document_ids)
     dtype = q.dtype
@@ -225,6 +225,11 @@ def _initial(q: Tensor, v: Tensor, initial_state: Tensor | None) -> Tensor:
     if initial_state is None:
         return torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device)
     return initial_state.float()
+
+
+def runs_fla_kernels(device: torch.device) -> bool:
+    """Whether the rules run fla's kernels on `device` (CUDA with fla importable) rather than the plain-torch path."""
+    return device.type == "cuda" and _fla_ops() is not None
 
 
 @functools.cache
