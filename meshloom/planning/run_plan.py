@@ -25,7 +25,8 @@ from meshloom.models.registry import configured_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
 from meshloom.planning.device_checks import check_device_settings
-from meshloom.planning.features import Facts, refuse_conflicts, refuse_idle_settings
+from meshloom.planning.features import Facts, refuse_conflicts
+from meshloom.planning.setting_scopes import refuse_idle_settings
 from meshloom.parallel.activation_checkpoint import check_activation_checkpoint_config
 from meshloom.parallel.dims import ParallelDims
 from meshloom.parallel.pipeline import PipelinePlan, plan_pipeline

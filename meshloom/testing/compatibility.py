@@ -151,7 +151,8 @@ def render() -> str:
 
 def _declaration_lines() -> list[str]:
     """Every constraint the declaration holds, the table's and the others."""
-    from meshloom.planning.features import CONFLICTS, SCOPES
+    from meshloom.planning.features import CONFLICTS
+    from meshloom.planning.setting_scopes import SCOPES
 
     lines = ["## Every declared constraint", "", "Pairs that cannot train together:", ""]
     lines += [f"- {conflict.line()}" for conflict in CONFLICTS]
