@@ -57,6 +57,7 @@ def test_every_field_has_a_docstring_and_appears_in_help():
         for field_name in vars(section):
             assert docs.get(field_name), f"{name}.{field_name} has no docstring"
             assert f"--{name}.{field_name} " in text
+    assert "        qwen3_next: tiny, debug, 80B-A3B" in text  # model.flavor's choices, read from the registry
 
 
 def test_shipped_recipes_load():

@@ -230,8 +230,19 @@ def help_text(config: Config | None = None) -> str:
             default = getattr(section, name)
             lines.append(f"  --{section_name}.{name} {_type_name(tp)} (default: {default!r})")
             lines.append(f"      {docs.get(name, '')}")
+            if f"{section_name}.{name}" == "model.flavor":
+                lines += [f"        {family}: {', '.join(flavors)}" for family, flavors in _flavors_by_family().items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _flavors_by_family() -> dict[str, list[str]]:
+    import importlib
+
+    importlib.import_module("meshloom.models")  # registers the built-in families
+    from meshloom.models.registry import MODEL_REGISTRY
+
+    return {name: list(spec.flavors) for name, spec in MODEL_REGISTRY.items()}
 
 
 def parse_args(argv: list[str]) -> tuple[Path | None, list[tuple[str, str]], bool]:

@@ -36,9 +36,7 @@ class ModelConfig:
     """Model family in the registry (`meshloom train --help` lists the built-in ones under model.flavor)."""
 
     flavor: str = "debug"
-    """Size preset of the family (llama3: tiny, debug, 1B, 3B, 8B, 70B, 405B; deepseek_v3: tiny, debug, 16B, 671B,
-    kimi_k2; qwen3: tiny, tiny_moe, debug, debug_moe, 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B; gpt_oss: tiny,
-    debug, 20B, 120B; qwen3_next: tiny, debug, 80B-A3B)."""
+    """Size preset of the family (`meshloom train --help` lists every built-in family's presets below this line)."""
 
     plugin: str = ""
     """A Python module to import before the family is looked up, so that it can register families of its own with
