@@ -40,12 +40,15 @@ DEEPSEEK_V3 = "https://arxiv.org/abs/2412.19437"
 # examples/llm_benchmark/deepseek/deepseek_v3_te_deepep.yaml; read at NVIDIA-NeMo/Automodel 36044ad).
 AUTOMODEL_CONFIGS = "https://github.com/NVIDIA-NeMo/Automodel/tree/main/examples/llm_benchmark"
 AUTOMODEL_SETTINGS = ("its config: activation_checkpointing true (full AC), MoE reshard_after_forward false, "
-                      "MaskedCrossEntropy with fp32_upcast false, no model dtype (bf16)")  # fmt: skip
+                      "MaskedCrossEntropy with fp32_upcast false, no model dtype (bf16); experts outside FSDP (ep_shard 1)")  # fmt: skip
 # AutoModel builds the model in bf16 (`NeMoAutoModelForCausalLM.from_config`: torch_dtype "auto" is torch.bfloat16), so
 # the sharded parameters, their reduced gradients and Adam's moments are bf16; FSDP's MixedPrecisionPolicy reduces in
 # fp32 (nemo_automodel/components/moe/parallelizer.py), so the unsharded gradients it accumulates are fp32, as the
-# estimate has them. The loss takes the bf16 logits without the fp32 upcast.
-AUTOMODEL_PRECISION = Precision("bf16", master_bytes=2, loss_bytes=2)
+# estimate has them (its default defer_fsdp_grad_sync keeps them unsharded until the last microbatch, and its pipeline
+# patch does the same across the schedule's microbatches). Routed experts go into FSDP only where an ep_shard mesh
+# larger than 1 shards them; with dp_shard = ep (both rows) they are the block's ignored parameters, bf16 and never
+# gathered. The loss takes the bf16 logits without the fp32 upcast.
+AUTOMODEL_PRECISION = Precision("bf16", master_bytes=2, loss_bytes=2, fsdp_wraps_whole_experts=False)
 # The planner's default compute rate (meshloom plan --mfu) and why it stands where a source logged none: torchtitan
 # states 33-39% MFU for its bf16 Llama 3.1 8B runs on these H100s, with and without compile.
 PLANNER_MFU = 0.4

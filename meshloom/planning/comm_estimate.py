@@ -11,15 +11,8 @@ from collections import Counter
 
 from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
-from meshloom.planning.memory_estimate import (
-    FLOAT8,
-    StageShape,
-    cached_block_params,
-    cached_root_params,
-    is_moe_block,
-    local_numel,
-    pipeline_stages,
-)
+from meshloom.planning.memory_estimate import FLOAT8, cached_block_params, is_moe_block, local_numel, rank_root_params
+from meshloom.planning.pipeline_stages import StageShape, pipeline_stages
 
 # Newton-Schulz iterations per Muon update (optimizer.muon_ns_steps' default) and the bytes of its dtype (bf16).
 MUON_NS_STEPS = 5
@@ -105,7 +98,7 @@ def _stage_comm_bytes(shape: ShapeModel, layout: Layout, stage: StageShape, seq_
     a = precision.compute_bytes
     tokens = layout.microbatch_size * seq_len / layout.cp  # per microbatch on this rank
     hidden = tokens * shape.dim * a
-    roots = cached_root_params(shape, stage.first, stage.last)
+    roots = rank_root_params(shape, stage)
     # Equal blocks are one object (cached_block_params): each kind is counted once, then multiplied.
     counts = Counter(id(cached_block_params(shape, layer)) for layer in stage.block_ids)
     kinds = {id(cached_block_params(shape, layer)): cached_block_params(shape, layer) for layer in stage.block_ids}

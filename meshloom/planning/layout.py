@@ -119,6 +119,11 @@ class Precision:
     # Bytes per element of the logits the loss takes and of the loss's vocabulary-wide tensors: meshloom upcasts them
     # to fp32; a loss without the upcast (AutoModel's MaskedCrossEntropy with fp32_upcast false) runs in bf16.
     loss_bytes: int = FP32
+    # Whether routed experts that FSDP leaves whole (dp_shard x cp / ep = 1) are still FSDP units: meshloom wraps them,
+    # so its fp32 masters are cast and gathered by the unit. NeMo AutoModel leaves them out of FSDP (its MoE
+    # parallelizer shards experts only over an ep_shard mesh larger than 1 and passes them to the block as ignored
+    # parameters), so their gradients are autograd's, in the parameters' dtype, and nothing gathers them.
+    fsdp_wraps_whole_experts: bool = True
 
     @property
     def compute_bytes(self) -> int:

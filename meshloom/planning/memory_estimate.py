@@ -38,13 +38,12 @@ from dataclasses import dataclass, fields
 
 from meshloom.config.errors import UserError
 from meshloom.models.shape import ParamShape, ShapeModel
-from meshloom.parallel.pipeline import even_stage_split
 from meshloom.planning.layout import FP32, Layout, Precision
+from meshloom.planning.pipeline_stages import ALL_FORWARDS_FIRST, StageShape, pipeline_stages
 
 ADAM_MOMENTS = 2
 MUON_MOMENTS = 1
 OPTIMIZERS = ("AdamW", "Muon")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 FLOAT8 = 1
 GIB = 2**30
 
@@ -114,72 +113,6 @@ def optimizer_state_numel(shapes: list[ParamShape], layout: Layout, optimizer: s
     return MUON_MOMENTS * local_numel(muon, layout) + ADAM_MOMENTS * local_numel(adamw, layout)
 
 
-def stage_layer_counts(n_layers: int, pp: int, stages_per_rank: int = 1) -> list[int]:
-    """Blocks per pipeline stage for an even split, as meshloom.parallel.pipeline makes it."""
-    return even_stage_split(n_layers, pp * stages_per_rank, pp, stages_per_rank)
-
-
-@dataclass(frozen=True)
-class StageShape:
-    """What one pipeline rank holds (the whole model when pp = 1): the blocks of its stages."""
-
-    block_ids: tuple[int, ...]
-    first: bool
-    last: bool
-    # Microbatches whose activations (through all of this rank's blocks) it holds at its peak; fractional for
-    # interleaved schedules, whose rank holds some microbatches in only one of its stages.
-    inflight: float
-    # Pipeline rank.
-    rank: int = 0
-    # The pipeline stages this rank holds, and the block ids of each (one FSDP model part per stage).
-    stages: tuple[int, ...] = ()
-    stage_blocks: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def layers(self) -> int:
-        return len(self.block_ids)
-
-
-def _inflight(layout: Layout, rank: int) -> float:
-    """Microbatches a pipeline rank's schedule keeps activations for at once, in units of its whole set of blocks.
-
-    GPipe and LoopedBFS run every forward before any backward. 1F1B warms rank r up with pp - r forwards.
-    Interleaved schedules (v stages per rank) warm up with 2(pp - r - 1) + (v - 1)pp + 1 stage-sized forwards, each
-    1/v of the rank's blocks. The V schedules balance it: ZBVZeroBubble holds pp on every rank (1F1B's rank 0),
-    DualPipeV pp + 1.
-    """
-    m, pp, v = layout.pipeline_microbatches, layout.pp, layout.stages_per_rank
-    if pp == 1:
-        return 1  # gradient accumulation finishes each microbatch's backward before the next forward
-    schedule = layout.pipeline_schedule
-    if schedule in ("GPipe", "LoopedBFS"):
-        return m
-    if schedule == "ZBVZeroBubble":
-        return min(m, pp)
-    if schedule == "DualPipeV":
-        return min(m, pp + 1)
-    if v > 1:
-        return min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
-    return min(m, pp - rank)
-
-
-def pipeline_stages(shape: ShapeModel, layout: Layout) -> list[StageShape]:
-    """One StageShape per pipeline rank, its stages placed as meshloom.parallel.pipeline places them (looped:
-    stage s on rank s % pp; V schedules: stages r and 2pp - 1 - r on rank r)."""
-    counts = list(layout.stage_layer_counts) or stage_layer_counts(shape.n_layers, layout.pp, layout.stages_per_rank)
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    v_shaped = layout.pipeline_schedule in V_SCHEDULES and layout.pp > 1
-    ranks = []
-    for rank in range(layout.pp):
-        stage_ids = [rank, 2 * layout.pp - 1 - rank] if v_shaped else list(range(rank, len(counts), layout.pp))
-        blocks = tuple(layer for s in sorted(stage_ids) for layer in range(starts[s], starts[s] + counts[s]))
-        first, last = 0 in stage_ids, len(counts) - 1 in stage_ids
-        stages = tuple(sorted(stage_ids))
-        per_stage = tuple(tuple(range(starts[s], starts[s] + counts[s])) for s in stages)
-        ranks.append(StageShape(blocks, first, last, _inflight(layout, rank), rank, stages, per_stage))
-    return ranks
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------------------------------------
@@ -205,6 +138,11 @@ def root_activation_bytes_per_token(
 # ---------------------------------------------------------------------------------------------------------
 # The estimate
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _in_fsdp(params: tuple[ParamShape, ...], experts_out: bool) -> tuple[ParamShape, ...]:
+    """The parameters FSDP units manage: all, or all but the routed experts."""
+    return tuple(p for p in params if not p.expert) if experts_out else params
 
 
 # The planner asks for the same blocks' bytes for thousands of layouts.
@@ -247,6 +185,14 @@ def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[Para
     return tuple(shape.root_params(first, last))
 
 
+def rank_root_params(shape: ShapeModel, stage: StageShape) -> tuple[ParamShape, ...]:
+    """The ends a pipeline rank holds. A V schedule's rank 0 holds the first and the last stage as two model parts,
+    each built with its own ends (the last one's copy of the embedding included, where the family keeps one)."""
+    if stage.first and stage.last and len(stage.stages) > 1:
+        return cached_root_params(shape, True, False) + cached_root_params(shape, False, True)
+    return cached_root_params(shape, stage.first, stage.last)
+
+
 @functools.lru_cache(maxsize=64)
 def _with_math_attention(shape: ShapeModel, seq_len: int) -> ShapeModel:
     return shape.with_math_attention(seq_len)
@@ -286,6 +232,9 @@ def estimate_memory(
     fsdp = layout.fsdp
     sharded_data_parallel = fsdp > 1 or layout.dp_replicate > 1
     accumulate = layout.microbatches > 1
+    # Routed experts FSDP leaves whole stay out of it where the framework says so (Precision.fsdp_wraps_whole_experts):
+    # never gathered, their gradients autograd's own.
+    experts_out = not precision.fsdp_wraps_whole_experts and layout.ep > 1 and max(1, fsdp // layout.ep) == 1
 
     best: MemoryEstimate | None = None
     stages = pipeline_stages(shape, layout)
@@ -304,12 +253,13 @@ def estimate_memory(
         # Equal blocks are one object (see cached_block_params): each kind is counted once, then multiplied.
         kinds = {id(block): block for block in blocks}
         sharded = {i: local_numel(block, layout) for i, block in kinds.items()}
-        whole = {i: local_numel(block, layout, fsdp=1) for i, block in kinds.items()}
+        whole = {i: local_numel(_in_fsdp(block, experts_out), layout, fsdp=1) for i, block in kinds.items()}
         state = {i: optimizer_state_numel(block, layout, optimizer) for i, block in kinds.items()}
-        roots = cached_root_params(shape, stage.first, stage.last)
+        roots = rank_root_params(shape, stage)
         param_elems = sum(sharded[id(block)] for block in blocks) + local_numel(roots, layout)
         gathered_blocks = sorted((whole[id(block)] for block in blocks), reverse=True)
         full_elems = sum(gathered_blocks) + local_numel(roots, layout, fsdp=1)  # unsharded over FSDP
+        outside_elems = sum(local_numel([p for p in block if p.expert], layout) for block in blocks) if experts_out else 0
         master = precision.master_bytes
         params = master * param_elems
         state_elems = sum(state[id(block)] for block in blocks) + optimizer_state_numel(roots, layout, optimizer)
@@ -322,7 +272,7 @@ def estimate_memory(
             grads += master * (shape.vocab_size - _split(shape.vocab_size, layout.tp)) * shape.dim
         if sharded_data_parallel and fsdp > 1 and accumulate:
             # set_requires_gradient_sync(False) keeps unsharded gradients between microbatches.
-            grads = precision.reduce_dtype_bytes * full_elems
+            grads = precision.reduce_dtype_bytes * full_elems + master * outside_elems
         if sharded_data_parallel:
             # Two blocks in flight (current + prefetched) and the root's parameters kept for backward; every block
             # when they stay gathered from forward to backward. Float8 gathers the blocks' matrices in float8.
@@ -344,13 +294,17 @@ def estimate_memory(
             shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep, loss_bytes=precision.loss_bytes
         ) + held_output
         first_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False)
-        # DualPipeV's rank 0 holds the last stage at the V's turn, where torch's ScheduleDualPipeV runs each
-        # microbatch's backward right after its forward: at the rank's peak that stage holds one microbatch (its
-        # first stage 2pp), so the loss side (the final norm, the logits and what the family keeps there) is held once.
+        # The loss side (the final norm, the logits and what the family keeps there) is held for one microbatch at
+        # the rank's peak under every schedule that runs a microbatch's backward on the last stage right after its
+        # forward, i.e. all but GPipe and LoopedBFS: 1F1B's last rank holds one microbatch anyway; an interleaved
+        # schedule's last rank peaks at the end of warm-up, whose last forward is the first microbatch's through the
+        # last stage (torch's Interleaved1F1B: (v - 1)pp warm-up forwards there, in rounds of pp microbatches per
+        # stage); the V schedules' rank 0 reaches the last stage at the V's turn. The rank's other stages hold their
+        # outputs per microbatch.
         loss_side = 0.0
-        if stage.last and layout.pp > 1 and layout.pipeline_schedule == "DualPipeV":
+        if stage.last and layout.pp > 1 and layout.pipeline_schedule not in ALL_FORWARDS_FIRST:
             loss_side = per_root - first_root  # the last stage's root and its held logits
-            per_root = first_root + a * shape.dim / layout.tp  # the first stage's output, held per microbatch
+            per_root = first_root + (a * shape.dim / layout.tp if len(stage.stages) > 1 else 0.0)
         saved = stage.inflight * tokens * (sum(per_layer) + per_root) + tokens * loss_side
         # Backward of a checkpointed block j in one microbatch: that microbatch's loss-side activations and
         # the blocks after j are freed by then, j's recomputed activations live (largest for the last such j).
@@ -425,7 +379,7 @@ def estimate_memory(
                 kept_so_far = 0.0
                 for position, (layer, mode, kept) in enumerate(zip(stage.block_ids, modes, per_layer)):
                     kept_so_far += kept
-                    mlp = local_numel(cached_mlp_params(shape, layer), layout, fsdp=1)
+                    mlp = local_numel(_in_fsdp(cached_mlp_params(shape, layer), experts_out), layout, fsdp=1)
                     if mode == "none" or not mlp:
                         continue
                     next_unit = units[position + 1] if position + 1 < len(units) else 0
