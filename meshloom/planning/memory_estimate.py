@@ -6,7 +6,8 @@ What one rank holds, by kind:
   output) and FSDP (dim 0 of every local tensor, padded to a multiple of the shard degree); routed experts
   are split over ep first and FSDP-sharded over what dp_shard x cp leaves;
 - gradients: the same shapes in fp32 once reduced; while FSDP accumulates over microbatches without
-  syncing, it keeps them unsharded instead;
+  syncing, it keeps them unsharded instead (but for routed experts a framework keeps out of FSDP, whose gradients are
+  autograd's own, `Precision.fsdp_wraps_whole_experts`);
 - optimizer: AdamW's two fp32 moments per parameter; under Muon one fp32 momentum buffer per element of the matrices
   Muon updates (every matrix the shape model does not mark `adamw`), two moments for the rest. Newton-Schulz's
   transient copies of whole matrices on their owner ranks (in optimizer.muon_ns_dtype) are not counted;
