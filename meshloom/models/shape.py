@@ -136,6 +136,14 @@ class ShapeModel(ABC):
         checkpoint) and what `ac` keeps; none by default (see `block_mlp_params`)."""
         return 0.0
 
+    def block_attention_backward_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """Bytes per token of block `layer` alive at the busiest moment of its attention's backward where that attention
+        runs an eager path over the whole score matrix (`with_math_attention`: FlexAttention on CPU): what the block
+        holds up to its attention's output by then (kept, or recomputed under activation-checkpointing mode `ac`; the
+        MLP's tensors are freed once its backward is done) and the backward's own temporaries. None by default: a fused
+        kernel's backward holds nothing score-sized, and the activation phases bound the rest."""
+        return 0.0
+
     def routed_transient_bytes_per_token(self, shared_hidden: int, tp: int, ep: int, act_bytes: int) -> float:
         """A sparse block's routed token copies that backward does not keep (top_k per token, a·dim bytes each), against
         the shared experts' SwiGLU (4·a·shared_hidden/tp), the only tensors the block keeps that are made after them:
