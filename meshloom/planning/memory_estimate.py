@@ -20,14 +20,15 @@ What one rank holds, by kind:
   until the loss is taken (with a third vocabulary-wide tensor under loss parallel), or, on a pipeline stage
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
   copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it. On CPU, attention without a fused
-  kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`);
+  kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`), and eager FlexAttention
+  (gpt-oss's) holds score-sized temporaries in a block's backward (`block_attention_backward_bytes_per_token`);
 - transient: the logits' gradient at the start of backward (under loss parallel, the fused backward's three
   vocabulary-wide temporaries).
 
 The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
-microbatches), the backward-end phase (gradients + gathered) and the optimizer step (gradients, plus on CPU the
-foreach AdamW's temporary copy of its parameters).
+microbatches), the backward phases (gradients + gathered, and moments inside a block's backward) and the optimizer
+step (gradients, plus on CPU the foreach AdamW's temporary copy of its parameters).
 """
 
 from __future__ import annotations
