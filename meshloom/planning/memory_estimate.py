@@ -176,13 +176,13 @@ def is_moe_block(shape: ShapeModel, layer: int) -> bool:
     return any(p.expert for p in cached_block_params(shape, layer))
 
 
-def gathered_in_backward(units: list[int], position: int, stage: StageShape, block_bytes: int, roots_gathered: int) -> int:
+def gathered_in_backward(units: list[int], position: int, stage: StageShape, block_bytes: int, roots_bytes: int) -> int:
     """FSDP's gathered weights inside the backward of a rank's block at `position` (`units`: each block's unsharded
     elements): the block's own, the block before it gathered ahead (prefetched) except before the first block of a
-    model part, and the root's (`roots_gathered` bytes)."""
+    model part, and the root's (`roots_bytes`)."""
     part_start = stage.block_ids[position] in {ids[0] for ids in stage.stage_blocks if ids}
     prefetched = units[position - 1] if position and not part_start else 0
-    return block_bytes * (units[position] + prefetched) + roots_gathered
+    return block_bytes * (units[position] + prefetched) + roots_bytes
 
 
 def estimate_memory(
@@ -326,12 +326,11 @@ def estimate_memory(
             # A pipeline stage's backward runs while its activations are alive and the gradients of the blocks already
             # done accumulate (bounded by the activation peak next to every gradient; measured on the PP 2 cells).
             backward_end = max(backward_end, activations + grads + gathered)
-        # Inside the backward of a block whose attention runs an eager path over the whole score matrix (FlexAttention on
-        # CPU; `ShapeModel.block_attention_backward_bytes_per_token`): the blocks before it keep theirs, the block its
-        # attention's tensors (kept or recomputed) and the backward's score-sized temporaries. The gradients after it
-        # exist (the loss side's and later blocks', under FSDP reduced, the root's and the block's own unsharded; the
-        # block's attention's, not made yet, are counted too). Largest at the last block without checkpointing, at the
-        # first with it (most gradients); the seq-512 probe of benchmarks/RESULTS.md's whole-peak table found both.
+        # Inside the backward of a block whose attention runs an eager path over the whole score matrix (FlexAttention
+        # on CPU; `ShapeModel.block_attention_backward_bytes_per_token`): the blocks before it keep theirs, the block
+        # its attention's tensors and the backward's score-sized temporaries; the later blocks' gradients exist (reduced
+        # under FSDP), the loss side's and the block's own too (unsharded; its attention's, not made yet, counted).
+        # Largest at the last block without checkpointing, at the first with it (benchmarks/RESULTS.md, whole peak).
         units = [whole[id(block)] for block in blocks]
         roots_gathered = a * local_numel(roots, layout, fsdp=1)
         kept_before, unsharded = 0.0, (a if fsdp > 1 else master)
@@ -339,7 +338,8 @@ def estimate_memory(
             attention_side = _attention_backward(shape, layer, mode, layout.tp, a)
             if attention_side:
                 later = sum(sharded[id(block)] for block in blocks[position + 1 :])
-                own = local_numel(blocks[position] + (cached_root_params(shape, False, True) if stage.last else ()), layout, fsdp=1)
+                loss_side_params = cached_root_params(shape, False, True) if stage.last else ()
+                own = local_numel(blocks[position] + loss_side_params, layout, fsdp=1)
                 done = grads if accumulate else master * later + unsharded * own
                 held = others + tokens * (kept_before + first_side + attention_side)
                 in_flight = gathered

@@ -75,8 +75,8 @@ class GptOssShape(ShapeModel):
     def block_attention_backward_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
         """On CPU the eager FlexAttention operator evaluates the whole score matrix; its backward
         (torch._higher_order_ops.flex_attention.sdpa_dense_backward, torch 2.13) holds at its busiest moment, the mask
-        applied to the scaled score gradient, seven tensors of B x heads x s x s in float32 where the inputs are float32:
-        the scaled scores and the masked scores (recomputed), the probabilities, the gradient through v
+        applied to the scaled score gradient, seven tensors of B x heads x s x s in float32 where the inputs are
+        float32: the scaled scores and the masked scores (recomputed), the probabilities, the gradient through v
         (grad_out @ v^T), the score function's gradient (probabilities x (that - rowsum + the log-sum-exp's gradient)),
         it scaled, and it masked. In a narrower input dtype the last two are one float32 tensor and its copy in that
         dtype (6 float32 + 1 of the input's). Next to them: the incoming output gradient, q's gradient, k and v repeated
