@@ -53,7 +53,7 @@ class ShapeModel(ABC):
     # Routed experts per MoE block and how many each token uses (0 for dense models).
     n_experts: int = 0
     top_k: int = 0
-    # The sequence length when SDPA runs its math path (`with_math_attention`), 0 for a fused attention kernel.
+    # The sequence length when attention runs an eager path (`with_math_attention`), 0 for a fused attention kernel.
     math_attention_seq_len: int = 0
     # Context-parallel degree and sequence length the blocks run at (`with_context_parallel`); 1 and 0 without it.
     cp: int = 1
@@ -136,6 +136,14 @@ class ShapeModel(ABC):
         checkpoint) and what `ac` keeps; none by default (see `block_mlp_params`)."""
         return 0.0
 
+    def block_attention_backward_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """Bytes per token of block `layer` alive at the busiest moment of its attention's backward where that attention
+        runs an eager path over the whole score matrix (`with_math_attention`: FlexAttention on CPU): what the block
+        holds up to its attention's output by then (kept, or recomputed under activation-checkpointing mode `ac`; the
+        MLP's tensors are freed once its backward is done) and the backward's own temporaries. None by default: a fused
+        kernel's backward holds nothing score-sized, and the activation phases bound the rest."""
+        return 0.0
+
     def routed_transient_bytes_per_token(self, shared_hidden: int, tp: int, ep: int, act_bytes: int) -> float:
         """A sparse block's routed token copies that backward does not keep (top_k per token, a·dim bytes each), against
         the shared experts' SwiGLU (4·a·shared_hidden/tp), the only tensors the block keeps that are made after them:
@@ -150,9 +158,9 @@ class ShapeModel(ABC):
         return max(0.0, copies * act_bytes * self.top_k * self.dim - 4 * act_bytes * shared_hidden / tp)
 
     def with_math_attention(self, seq_len: int) -> ShapeModel:
-        """This model as it runs where SDPA has no fused kernel for its attention and takes the math path (on CPU, for
-        unequal query and value head sizes) on `seq_len`-token sequences; families whose heads have a fused CPU
-        kernel ignore it."""
+        """This model as it runs where its attention has no fused kernel and takes an eager path (on CPU: SDPA's math
+        path for unequal query and value head sizes, FlexAttention's eager operator) on `seq_len`-token sequences;
+        families whose attention has a fused CPU kernel ignore it."""
         other = copy.copy(self)
         other.math_attention_seq_len = seq_len
         return other

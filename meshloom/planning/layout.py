@@ -111,7 +111,8 @@ class Precision:
     mixed_precision: str = "fp32"
     reduce_dtype_bytes: int = FP32
     # The device kind whose kernels run the model ("cuda" or "cpu"): on CPU, SDPA has no fused kernel for unequal
-    # query and value head sizes, and its math path keeps what a fused kernel does not (ShapeModel.with_math_attention).
+    # query and value head sizes, nor FlexAttention a trainable one, and their eager paths keep what a fused kernel
+    # does not (ShapeModel.with_math_attention).
     device: str = "cuda"
     # Bytes per element of the sharded parameters, their reduced gradients and the optimizer's moments: meshloom keeps
     # fp32 masters; a framework that builds the model in bf16 (NeMo AutoModel's `from_config`) keeps all three in bf16.

@@ -21,25 +21,26 @@ What one rank holds, by kind:
   until the loss is taken (with a third vocabulary-wide tensor under loss parallel), or, on a pipeline stage
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
   copies, `ShapeModel.block_transient_bytes_per_token`) outgrow what follows it. On CPU, attention without a fused
-  kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`);
+  kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`), and eager FlexAttention
+  (gpt-oss's) holds score-sized temporaries in a block's backward (`block_attention_backward_bytes_per_token`);
 - transient: the logits' gradient at the start of backward (under loss parallel, the fused backward's three
   vocabulary-wide temporaries).
 
 The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
-microbatches), the backward-end phase (gradients + gathered) and the optimizer step (gradients, plus on CPU the
-foreach AdamW's temporary copy of its parameters).
+microbatches), the backward phases (gradients + gathered, and moments inside a block's backward) and the optimizer
+step (gradients, plus on CPU the foreach AdamW's temporary copy of its parameters).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, fields
 
 from meshloom.config.errors import UserError
 from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
+from meshloom.planning.param_counts import in_fsdp, largest_chunk, local_numel
 from meshloom.planning.pipeline_stages import ALL_FORWARDS_FIRST, StageShape, pipeline_stages
 
 ADAM_MOMENTS = 2
@@ -70,37 +71,6 @@ class MemoryEstimate:
 # ---------------------------------------------------------------------------------------------------------
 # Parameters
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _split(size: int, parts: int) -> int:
-    """The largest piece of `size` cut into `parts` by torch.chunk (what FSDP2 and DTensor do)."""
-    return math.ceil(size / parts)
-
-
-def local_numel(shapes: list[ParamShape], layout: Layout, fsdp: int | None = None) -> int:
-    """Elements one rank stores: the TP shard (expert stacks: this rank's experts), then FSDP's dim-0 chunk of it.
-
-    fsdp: the FSDP degree of dense parameters (1 = gathered); expert stacks are sharded over fsdp / ep.
-    """
-    return _local_numel(tuple(shapes), layout.tp, layout.ep, layout.fsdp if fsdp is None else fsdp)
-
-
-# The planner estimates thousands of layouts of one model whose blocks mostly share their shapes.
-@functools.lru_cache(maxsize=65536)
-def _local_numel(shapes: tuple[ParamShape, ...], tp: int, ep: int, fsdp: int) -> int:
-    total = 0
-    for param in shapes:
-        local = list(param.shape)
-        if param.expert:
-            local[0] = _split(local[0], ep)
-            shard = max(1, fsdp // ep) if fsdp > 1 else 1
-        else:
-            if param.tp_dim is not None and tp > 1:
-                local[param.tp_dim] = _split(local[param.tp_dim], tp)
-            shard = fsdp
-        local[0] = _split(local[0], shard)
-        total += math.prod(local)
-    return total
 
 
 def optimizer_state_numel(shapes: list[ParamShape], layout: Layout, optimizer: str) -> int:
@@ -141,11 +111,6 @@ def root_activation_bytes_per_token(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _in_fsdp(params: tuple[ParamShape, ...], experts_out: bool) -> tuple[ParamShape, ...]:
-    """The parameters FSDP units manage: all, or all but the routed experts."""
-    return tuple(p for p in params if not p.expert) if experts_out else params
-
-
 # The planner asks for the same blocks' bytes for thousands of layouts.
 _block_activation = functools.lru_cache(maxsize=65536)(
     lambda shape, layer, mode, tp, a: shape.block_activation_bytes_per_token(layer, mode, tp, a)
@@ -154,6 +119,9 @@ _recompute_peak = functools.lru_cache(maxsize=65536)(
     lambda shape, layer, mode, tp, a, ep: shape.block_recompute_bytes_per_token(layer, mode, tp, a, ep)
 )
 
+_attention_backward = functools.lru_cache(maxsize=65536)(
+    lambda shape, layer, mode, tp, a: shape.block_attention_backward_bytes_per_token(layer, mode, tp, a)
+)
 _mixer_recompute = functools.lru_cache(maxsize=65536)(
     lambda shape, layer, mode, tp, a: shape.block_mixer_recompute_bytes_per_token(layer, mode, tp, a)
 )
@@ -209,6 +177,15 @@ def is_moe_block(shape: ShapeModel, layer: int) -> bool:
     return any(p.expert for p in cached_block_params(shape, layer))
 
 
+def gathered_in_backward(units: list[int], position: int, stage: StageShape, block_bytes: int, roots_bytes: int) -> int:
+    """FSDP's gathered weights inside the backward of a rank's block at `position` (`units`: each block's unsharded
+    elements): the block's own, the block before it gathered ahead (prefetched) except before the first block of a
+    model part, and the root's (`roots_bytes`)."""
+    part_start = stage.block_ids[position] in {ids[0] for ids in stage.stage_blocks if ids}
+    prefetched = units[position - 1] if position and not part_start else 0
+    return block_bytes * (units[position] + prefetched) + roots_bytes
+
+
 def estimate_memory(
     shape: ShapeModel,
     layout: Layout,
@@ -254,7 +231,7 @@ def estimate_memory(
         # Equal blocks are one object (see cached_block_params): each kind is counted once, then multiplied.
         kinds = {id(block): block for block in blocks}
         sharded = {i: local_numel(block, layout) for i, block in kinds.items()}
-        whole = {i: local_numel(_in_fsdp(block, experts_out), layout, fsdp=1) for i, block in kinds.items()}
+        whole = {i: local_numel(in_fsdp(block, experts_out), layout, fsdp=1) for i, block in kinds.items()}
         state = {i: optimizer_state_numel(block, layout, optimizer) for i, block in kinds.items()}
         roots = rank_root_params(shape, stage)
         param_elems = sum(sharded[id(block)] for block in blocks) + local_numel(roots, layout)
@@ -270,7 +247,7 @@ def estimate_memory(
             # DTensor's embedding backward returns the table's gradient replicated, not vocabulary-sharded
             # (measured in torch 2.13); FSDP's reduce-scatter would shard it again. A table tied to the output
             # projection receives the projection's sharded gradient first, and the embedding's is added into it.
-            grads += master * (shape.vocab_size - _split(shape.vocab_size, layout.tp)) * shape.dim
+            grads += master * (shape.vocab_size - largest_chunk(shape.vocab_size, layout.tp)) * shape.dim
         if sharded_data_parallel and fsdp > 1 and accumulate:
             # set_requires_gradient_sync(False) keeps unsharded gradients between microbatches.
             grads = precision.reduce_dtype_bytes * full_elems + master * outside_elems
@@ -350,6 +327,27 @@ def estimate_memory(
             # A pipeline stage's backward runs while its activations are alive and the gradients of the blocks already
             # done accumulate (bounded by the activation peak next to every gradient; measured on the PP 2 cells).
             backward_end = max(backward_end, activations + grads + gathered)
+        # Inside the backward of a block whose attention runs an eager path over the whole score matrix (FlexAttention
+        # on CPU; `ShapeModel.block_attention_backward_bytes_per_token`): the blocks before it keep theirs, the block
+        # its attention's tensors and the backward's score-sized temporaries; the later blocks' gradients exist (reduced
+        # under FSDP), the loss side's and the block's own too (unsharded; its attention's, not made yet, counted).
+        # Largest at the last block without checkpointing, at the first with it (benchmarks/RESULTS.md, whole peak).
+        units = [whole[id(block)] for block in blocks]
+        roots_gathered = a * local_numel(roots, layout, fsdp=1)
+        kept_before, unsharded = 0.0, (a if fsdp > 1 else master)
+        for position, (layer, mode, kept) in enumerate(zip(stage.block_ids, modes, per_layer)):
+            attention_side = _attention_backward(shape, layer, mode, layout.tp, a)
+            if attention_side:
+                later = sum(sharded[id(block)] for block in blocks[position + 1 :])
+                loss_side_params = cached_root_params(shape, False, True) if stage.last else ()
+                own = local_numel(blocks[position] + loss_side_params, layout, fsdp=1)
+                done = grads if accumulate else master * later + unsharded * own
+                held = others + tokens * (kept_before + first_side + attention_side)
+                in_flight = gathered
+                if fsdp > 1 and layout.reshard_after_forward:
+                    in_flight = gathered_in_backward(units, position, stage, block_bytes, roots_gathered)
+                backward_end = max(backward_end, int(held) + done + in_flight)
+            kept_before += kept
         if fsdp > 1 and gathered_blocks:
             # FSDP's backward of its largest unit: autograd's unsharded gradient of the unit (in the gathered dtype) and
             # the reduce-scatter's input buffer it is copied into (in the reduce dtype) are alive at once, next to the
@@ -362,30 +360,26 @@ def estimate_memory(
             last = stage.block_ids[-1] if stage.block_ids else None
             if last is not None and modes[-1] != "none" and not is_moe_block(shape, last):
                 alive = max(alive, recompute_peak)
-            unit_backward = (a + precision.reduce_dtype_bytes) * unit + master * _split(unit, fsdp) + int(alive) + gathered
+            unit_backward = (a + precision.reduce_dtype_bytes) * unit + master * largest_chunk(unit, fsdp) + int(alive) + gathered
             backward_end = max(backward_end, unit_backward + (grads if accumulate else 0))
             # Inside the backward of any checkpointed block (not only the last): once its MLP's backward is done, the
             # MLP's unsharded gradients (a MoE block's experts, most of its unit) are alive next to the token mixer's
             # recomputed tensors, the reduce-scatter buffer of the block after it (freed at the next reduce-scatter),
             # the reduced shards of every later block and what the blocks before it keep (read off the tracker on
             # Qwen3-Next's FSDP 2 cells, benchmarks/RESULTS.md; families without `block_mlp_params` add nothing).
-            # The block before it is gathered ahead (prefetched), except before the first block of a model part.
+            # The block before it is gathered ahead (`gathered_in_backward`).
             if describes_mlp(shape):
-                units = [whole[id(block)] for block in blocks]
-                part_starts = {ids[0] for ids in stage.stage_blocks if ids}
-                roots_gathered = a * local_numel(roots, layout, fsdp=1)
                 reduced_after = [0] * (len(units) + 1)  # the reduced shards of the blocks after each position
                 for position in reversed(range(len(units))):
-                    reduced_after[position] = reduced_after[position + 1] + _split(units[position], fsdp)
+                    reduced_after[position] = reduced_after[position + 1] + largest_chunk(units[position], fsdp)
                 kept_so_far = 0.0
                 for position, (layer, mode, kept) in enumerate(zip(stage.block_ids, modes, per_layer)):
                     kept_so_far += kept
-                    mlp = local_numel(_in_fsdp(cached_mlp_params(shape, layer), experts_out), layout, fsdp=1)
+                    mlp = local_numel(in_fsdp(cached_mlp_params(shape, layer), experts_out), layout, fsdp=1)
                     if mode == "none" or not mlp:
                         continue
                     next_unit = units[position + 1] if position + 1 < len(units) else 0
-                    prefetched = units[position - 1] if position and layer not in part_starts else 0
-                    in_block = block_bytes * (units[position] + prefetched) + roots_gathered
+                    in_block = gathered_in_backward(units, position, stage, block_bytes, roots_gathered)
                     mixer = _mixer_recompute(shape, layer, mode, layout.tp, a)
                     held = stage.inflight * tokens * (kept_so_far + first_root) + tokens * mixer
                     mid_block = (

@@ -59,9 +59,42 @@ class GptOssShape(ShapeModel):
             matmuls = a * (q + 2 * kv) / tp + a * d * (1 if tp == 1 else 1 + 1 / tp)
             return block_input + matmuls + FP32 * a_.moe.n_experts + a * q / tp + FP32 * heads / tp
         assert ac == "none", ac
-        norms = 2 * ((FP32 * d + a * d) / tp + a * d)
-        attention = (4 * a * q + 2 * a * kv + FP32 * q + 2 * FP32 * heads) / tp
-        return norms + attention + self.routed_activation_bytes_per_token(a)
+        return 2 * self._norm_bytes(tp, a) + self._attention_bytes(tp, a) + self.routed_activation_bytes_per_token(a)
+
+    def _norm_bytes(self, tp: int, act_bytes: int) -> float:
+        """One RMSNorm's saved tensors: its float32 input, the normalised input and the output."""
+        d, a = self.args.dim, act_bytes
+        return (FP32 * d + a * d) / tp + a * d
+
+    def _attention_bytes(self, tp: int, act_bytes: int) -> float:
+        """The attention's saved tensors without checkpointing (see `block_activation_bytes_per_token`)."""
+        a_, a = self.args, act_bytes
+        q, kv = a_.n_heads * a_.head_dim, a_.n_kv_heads * a_.head_dim
+        return (4 * a * q + 2 * a * kv + FP32 * q + 2 * FP32 * a_.n_heads) / tp
+
+    def block_attention_backward_bytes_per_token(self, layer: int, ac: str, tp: int, act_bytes: int) -> float:
+        """On CPU the eager FlexAttention operator evaluates the whole score matrix; its backward
+        (torch._higher_order_ops.flex_attention.sdpa_dense_backward, torch 2.13) holds at its busiest moment, the mask
+        applied to the scaled score gradient, seven tensors of B x heads x s x s in float32 where the inputs are
+        float32: the scaled scores and the masked scores (recomputed), the probabilities, the gradient through v
+        (grad_out @ v^T), the score function's gradient (probabilities x (that - rowsum + the log-sum-exp's gradient)),
+        it scaled, and it masked. In a narrower input dtype the last two are one float32 tensor and its copy in that
+        dtype (6 float32 + 1 of the input's). Next to them: the incoming output gradient, q's gradient, k and v repeated
+        to every query head and v's gradient before the heads are summed (5 of q's size), k's and v's gradients (2 of
+        k's), and 4 float32 per-row statistics (the log-sum-exp and its gradient rescaled, the output-gradient row sums,
+        the lse's gradient). The boolean mask (s x s, once per batch) is left out.
+
+        By then the block holds its attention norm's and its attention's saved tensors (the MoE's are freed); under
+        checkpointing they are recomputed, the block input kept beside them unless it is the norm's float32 copy."""
+        s = self.math_attention_seq_len
+        if not s:
+            return 0.0
+        a_, a = self.args, act_bytes
+        heads, q, kv = a_.n_heads, a_.n_heads * a_.head_dim, a_.n_kv_heads * a_.head_dim
+        scores = s * heads * (6 * FP32 + a) / tp
+        temporaries = (a * (5 * q + 2 * kv) + 4 * FP32 * heads) / tp
+        block_input = a * a_.dim / tp if ac != "none" and a != FP32 else 0.0
+        return block_input + self._norm_bytes(tp, a) + self._attention_bytes(tp, a) + scores + temporaries
 
     def block_transient_bytes_per_token(self, layer: int, tp: int, ep: int, act_bytes: int) -> float:
         """The routed token copies (`ShapeModel.routed_transient_bytes_per_token`); no shared experts."""
