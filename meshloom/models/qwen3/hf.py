@@ -23,12 +23,12 @@ from meshloom.models.qwen3.model import Qwen3Args
 DENSE_ARCHITECTURE, MOE_ARCHITECTURE = "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 DENSE_TYPE, MOE_TYPE = "qwen3", "qwen3_moe"
 
-_TOP_LEVEL = {
+TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_PER_BLOCK = {
+PER_BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -45,7 +45,7 @@ _PER_BLOCK = {
     "moe.experts.w2": "mlp.experts.{e}.down_proj.weight",
     "moe.experts.w3": "mlp.experts.{e}.up_proj.weight",
 }
-_EXPERT_STACKS = frozenset({"moe.experts.w1", "moe.experts.w2", "moe.experts.w3"})
+EXPERT_STACKS = frozenset({"moe.experts.w1", "moe.experts.w2", "moe.experts.w3"})
 
 
 def _rope_theta(config: Mapping[str, Any], where: str) -> float:
@@ -163,9 +163,9 @@ def shape_differences(wanted: Qwen3Args, found: Qwen3Args) -> list[str]:
 class Qwen3HFAdapter(UnexportedBalancingBias):
     architectures = (DENSE_ARCHITECTURE, MOE_ARCHITECTURE)
     model_type = DENSE_TYPE
-    top_level = _TOP_LEVEL
-    per_block = _PER_BLOCK
-    expert_stacks = _EXPERT_STACKS
+    top_level = TOP_LEVEL
+    per_block = PER_BLOCK
+    expert_stacks = EXPERT_STACKS
     tied_pair = ("output.weight", "tok_embeddings.weight")
 
     def claims(self, config: Mapping[str, Any]) -> bool:

@@ -23,38 +23,19 @@ import torch
 
 from meshloom.models.common.moe import MoEArgs
 from meshloom.models.hf_adapter import HFConfigError, UnexportedBalancingBias, refuse_unsupported_hf_values, require_hf_keys
+from meshloom.models.qwen3 import hf as qwen3_hf
 from meshloom.models.qwen3_next.model import Qwen3NextArgs
 
 ARCHITECTURE, MODEL_TYPE = "Qwen3NextForCausalLM", "qwen3_next"
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# Full-attention blocks and every block's norms and MLP.
+# Full-attention blocks and every block's norms and MLP are named as in Qwen3's MoE model, plus the gated shared expert.
 _PER_BLOCK = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "moe.router.weight": "mlp.gate.weight",
-    "moe.experts.w1": "mlp.experts.{e}.gate_proj.weight",
-    "moe.experts.w2": "mlp.experts.{e}.down_proj.weight",
-    "moe.experts.w3": "mlp.experts.{e}.up_proj.weight",
+    **qwen3_hf.PER_BLOCK,
     "moe.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
     "moe.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
     "moe.shared_gate.weight": "mlp.shared_expert_gate.weight",
 }
-_EXPERT_STACKS = frozenset({"moe.experts.w1", "moe.experts.w2", "moe.experts.w3"})
 # Gated DeltaNet blocks: meshloom tensor under `attention.` -> (Hugging Face tensor under `linear_attn.`, fused group).
 _QKVZ, _BA, _CONV = ("wq", "wk", "wv", "wz"), ("wb", "wa"), ("q_conv", "k_conv", "v_conv")
 _GDN = {
@@ -237,9 +218,9 @@ def merge_fused(fused: str, tensors: list[torch.Tensor], args: Qwen3NextArgs) ->
 class Qwen3NextHFAdapter(UnexportedBalancingBias):
     architectures = (ARCHITECTURE,)
     model_type = MODEL_TYPE
-    top_level = _TOP_LEVEL
+    top_level = qwen3_hf.TOP_LEVEL
     per_block = _PER_BLOCK
-    expert_stacks = _EXPERT_STACKS
+    expert_stacks = qwen3_hf.EXPERT_STACKS
     tied_pair = ("output.weight", "tok_embeddings.weight")
     # The released multi-token-prediction block, which transformers does not model either.
     ignored_prefixes = ("mtp.",)
