@@ -11,7 +11,8 @@ from collections import Counter
 
 from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
-from meshloom.planning.memory_estimate import FLOAT8, cached_block_params, is_moe_block, local_numel, rank_root_params
+from meshloom.planning.memory_estimate import FLOAT8, cached_block_params, is_moe_block, rank_root_params
+from meshloom.planning.param_counts import local_numel
 from meshloom.planning.pipeline_stages import StageShape, pipeline_stages
 
 # Newton-Schulz iterations per Muon update (optimizer.muon_ns_steps' default) and the bytes of its dtype (bf16).
