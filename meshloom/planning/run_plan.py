@@ -10,7 +10,7 @@ a tokenizer file that exists here is read for its size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
 from meshloom.planning.device_checks import check_device_settings
 from meshloom.planning.features import Facts, refuse_conflicts
+from meshloom.planning.kernels import KernelPlan
 from meshloom.planning.setting_scopes import refuse_idle_settings
 from meshloom.parallel.activation_checkpoint import check_activation_checkpoint_config
 from meshloom.parallel.dims import ParallelDims
@@ -56,6 +57,8 @@ class RunPlan:
     # Microbatches per optimizer step on each data-parallel rank, beyond the pipeline's own.
     grad_accum_steps: int
     pipeline: PipelinePlan | None
+    # The kernel each kind of block runs on this run's device, chosen once (meshloom/planning/kernels.py).
+    kernels: KernelPlan = KernelPlan()
 
     @classmethod
     def build(cls, config: Config, world_size: int, device: torch.device | None = None, model_args: Any = None) -> RunPlan:
@@ -92,8 +95,7 @@ class RunPlan:
         check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len)
         check_tokenizer_file_fits(config.data, args.vocab_size)
         plan = cls(config, world_size, spec, args, dims, accumulation, pipeline)
-        check_device_settings(plan, device)
-        return plan
+        return replace(plan, kernels=check_device_settings(plan, device))
 
     @property
     def dp(self) -> int:
