@@ -166,3 +166,11 @@ def test_the_dry_run_names_each_blocks_kernel(capsys):
     assert tail[1].startswith("    routed experts: torch._grouped_mm (moe.grouped_mm = 'auto', on cpu (CPU, torch")
     assert tail[2] == "    blocks 0-2, 4-6 (gated delta rule): the plain-torch chunked rule (fla's kernels are Triton GPU kernels and this run is on CPU)"
     assert tail[3] == "    blocks 3, 7 (softmax attention): torch's scaled_dot_product_attention"
+
+
+def test_the_gated_delta_setting_acts_only_on_a_model_with_gated_deltanet():
+    config = load_config(["--data.vocab_size", "512", "--model.flavor", "tiny", "--kernels.gated_delta", "torch"])
+    with pytest.raises(ConfigError, match=r"^kernels.gated_delta = 'torch' has no effect: it acts only when the model has "
+                       r"Gated DeltaNet blocks \(qwen3_next\)"):
+        RunPlan.build(config, 1, torch.device("cpu"))
+    RunPlan.build(load_config(["--data.vocab_size", "512", *QWEN3_NEXT, "--kernels.gated_delta", "torch"]), 1, torch.device("cpu"))

@@ -77,7 +77,7 @@ class RunPlan:
             )
         dims = ParallelDims.from_config(config.parallelism, world_size)
         shape = spec.shape_model(args)
-        facts = run_facts(config, dims, spec, shape)
+        facts = run_facts(config, dims, spec, shape, args)
         refuse_idle_settings(facts)
         refuse_conflicts(facts)
         check_generic_layout(shape, dims)
@@ -145,9 +145,9 @@ def _check_hf_export(config: Config, spec: ModelSpec) -> None:
         raise ConfigError(f"checkpoint.hf_export_interval: the {spec.name} family has no Hugging Face format; set it to 0")
 
 
-def run_facts(config: Config, dims: ParallelDims, spec: ModelSpec, shape: ShapeModel) -> Facts:
+def run_facts(config: Config, dims: ParallelDims, spec: ModelSpec, shape: ShapeModel, args: Any) -> Facts:
     """What the feature declaration reads of a run: its settings, degrees and the model family's kind."""
     return Facts(
         config, dims, shape.n_experts, spec.attention_kernel,
-        hf_balancing_bias=not isinstance(spec.hf, UnexportedBalancingBias),
+        hf_balancing_bias=not isinstance(spec.hf, UnexportedBalancingBias), mixers=tuple(spec.block_mixers(args)),
     )
