@@ -79,8 +79,8 @@ def test_a_dry_run_for_cuda_refuses_what_the_cuda_run_refuses(settings: list[str
 
 def test_async_tp_is_refused_on_a_declared_cpu_run(capsys) -> None:
     settings = [*TINY, "--compile.async_tp", "true", "--compile.enable", "true", "--parallelism.tp", "2"]
-    refused(capsys, "compile.async_tp needs CUDA GPUs (symmetric memory and inductor's micro-pipeline TP pass); this run "
-            "is on cpu: set compile.async_tp = false", *settings, "--training.device", "cpu")  # fmt: skip
+    refused(capsys, "compile.async_tp cannot run here: it needs CUDA symmetric memory and this run is on cpu; set "
+            "compile.async_tp = false", *settings, "--training.device", "cpu")  # fmt: skip
     assert dry_run(capsys, *settings, "--training.device", "cuda")[0] == 0
 
 

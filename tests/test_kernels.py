@@ -17,7 +17,9 @@ from meshloom.planning import kernels
 from meshloom.planning.kernels import (
     OPTIONAL_KERNELS,
     DeviceFacts,
+    async_tp_blocker,
     compiled_flex_blocker,
+    fused_adamw_blocker,
     fla_blocker,
     float8_blocker,
     grouped_mm_blocker,
@@ -33,7 +35,7 @@ L40S = DeviceFacts("cuda", (8, 9), triton_version="3.6.0", fla_importable=True)
 
 def test_every_optional_kernel_declares_its_needs_source_and_fallback():
     names = [k.name for k in OPTIONAL_KERNELS]
-    assert names == ["fla", "grouped_mm", "float8", "compiled_flex"]
+    assert names == ["fla", "grouped_mm", "float8", "compiled_flex", "async_tp", "fused_adamw"]
     for kernel in OPTIONAL_KERNELS:
         assert kernel.needs and kernel.source and kernel.fallback and kernel.setting, kernel
 
@@ -86,6 +88,8 @@ def test_float8_and_compiled_flex_conditions():
     assert float8_blocker(L40S) is None and float8_blocker(H200_TRITON_36) is None and float8_blocker(CPU) is None
     assert compiled_flex_blocker(H200_TRITON_36) is None
     assert "CUDA only" in compiled_flex_blocker(CPU)
+    assert async_tp_blocker(H200_TRITON_36) is None and "symmetric memory" in async_tp_blocker(CPU)
+    assert fused_adamw_blocker(H200_TRITON_36) is None and "CUDA only" in fused_adamw_blocker(CPU)
 
 
 def test_fla_guard_is_read_from_fla_own_flags(monkeypatch):

@@ -170,6 +170,18 @@ def compiled_flex_blocker(facts: DeviceFacts) -> str | None:
     return None if facts.device_type == "cuda" else "compiled FlexAttention trains on CUDA only (CPU: inference only)"
 
 
+# Inductor's micro-pipeline TP pass fuses collectives with matmuls through CUDA symmetric memory
+# (torch/_inductor/fx_passes/micro_pipeline_tp.py, torch/distributed/_symmetric_memory).
+def async_tp_blocker(facts: DeviceFacts) -> str | None:
+    return None if facts.device_type == "cuda" else f"it needs CUDA symmetric memory and this run is on {facts.device_type}"
+
+
+# torch.optim.AdamW(fused=True): a CUDA (and XPU/MPS) kernel; on CPU the foreach path is torch's fastest
+# (torch/optim/adamw.py, `_get_fused_kernels_supported_devices`). meshloom/train/optim.py picks it under "auto".
+def fused_adamw_blocker(facts: DeviceFacts) -> str | None:
+    return None if facts.device_type == "cuda" else "meshloom uses torch's fused AdamW on CUDA only"
+
+
 @dataclass(frozen=True)
 class OptionalKernel:
     """One optional kernel: what it replaces, what it needs, where the condition comes from, and its fallback."""
@@ -200,6 +212,13 @@ OPTIONAL_KERNELS: tuple[OptionalKernel, ...] = (
     OptionalKernel(
         "compiled_flex", "FlexAttention", "compile.enable", "CUDA (inductor's CPU flex kernel is inference-only)",
         "torch/_inductor/kernel/flex/flex_cpu.py", "the eager FlexAttention operator (CPU)",
+    ),
+    OptionalKernel(
+        "async_tp", "tensor parallel's collectives beside the matmuls", "compile.async_tp", "CUDA (symmetric memory)",
+        "torch/_inductor/fx_passes/micro_pipeline_tp.py", "none (refused)",
+    ),
+    OptionalKernel(
+        "fused_adamw", "AdamW's update", "optimizer.implementation", "CUDA", "torch/optim/adamw.py", "foreach AdamW",
     ),
 )  # fmt: skip
 
