@@ -12,6 +12,7 @@ Every condition below names where it comes from. Tests patch each fact (capabili
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field, replace
 from types import ModuleType
@@ -73,7 +74,12 @@ class DeviceFacts:
 
     @classmethod
     def probe(cls, device_type: str, device: torch.device | None = None) -> DeviceFacts:
-        """Read the facts once. On a machine without the planned GPU, capability stays None (unknown)."""
+        """Read the facts once per process and device. On a machine without the planned GPU, capability stays None
+        (unknown)."""
+        return _probe(cls, device_type, device)
+
+    @classmethod
+    def _read(cls, device_type: str, device: torch.device | None) -> DeviceFacts:
         capability = None
         if device_type == "cuda" and torch.cuda.is_available():
             capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
@@ -95,6 +101,11 @@ class DeviceFacts:
         if self.device_type != "cuda":
             return "CPU"
         return "no GPU here to ask" if self.capability is None else f"sm{self.capability[0]}{self.capability[1]}"
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(cls: type[DeviceFacts], device_type: str, device: torch.device | None) -> DeviceFacts:
+    return cls._read(device_type, device)
 
 
 def load_fla_ops() -> ModuleType | None:
