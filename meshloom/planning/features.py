@@ -12,13 +12,25 @@ setting_scopes.py (where each setting acts).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.parallel.dims import ParallelDims
+
+
+def installed_torch_release() -> tuple[int, int]:
+    """(major, minor) of the torch this process imported, e.g. (2, 13) for "2.13.0+cpu"."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# The first torch release whose AOTAutograd fails on a compiled block that is checkpointed whole under tensor parallel
+# (tests/test_torch_compile_whole_block_ac_tp.py reproduces it): seen on 2.13.0 (CPU); 2.11.0 trains the same block on
+# CUDA and on CPU. 2.12 was not tried and is refused with 2.13.
+WHOLE_BLOCK_AC_TP_FAILS_FROM = (2, 12)
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,9 @@ class Facts:
 
     mixers: tuple[str, ...] = ()
     """Each block's token mixer (ModelSpec.block_mixers): "sdpa", "flex" or "gated_delta"."""
+
+    torch_release: tuple[int, int] = field(default_factory=lambda: installed_torch_release())
+    """(major, minor) of the installed torch, for constraints that hold on some releases only."""
 
     @property
     def on_cpu(self) -> bool:
@@ -272,10 +287,10 @@ CONFLICTS: tuple[Conflict, ...] = (
     ),
     Conflict(
         "ac_whole_blocks", "compile",
-        "under tensor parallel, torch 2.13's AOTAutograd fails on a compiled block that is checkpointed whole (the "
-        "recomputed region saves the DeviceMesh of its DTensors as if it were a tensor)",
+        "under tensor parallel, AOTAutograd of torch 2.12 and later fails on a compiled block that is checkpointed "
+        "whole (the recomputed region saves the DeviceMesh of its DTensors as if it were a tensor; torch 2.11 trains it)",
         "use activation_checkpoint.mode = 'selective_op' with compile under tensor parallel, or compile.enable = false",
-        when=lambda f: f.dims.tp > 1, when_witness=("--parallelism.tp", "2"),
+        when=lambda f: f.dims.tp > 1 and f.torch_release >= WHOLE_BLOCK_AC_TP_FAILS_FROM, when_witness=("--parallelism.tp", "2"),
     ),
     Conflict(
         "expert_loop", "compile",
