@@ -58,7 +58,7 @@ WRITERS: dict[str, str] = {
     "meshloom/launch/ray_train.py:_attempt_of_this_run": "the attempt count in the launch's own Ray folder of the run",
     "meshloom/observe/flight_recorder.py:dump": "<run>/flight_recorder/attempt-N/rank-R.json of this run, via a temporary",
     "meshloom/observe/logging.py:MetricLogger.__init__": "appends to the run's metrics.jsonl (check_run_folder: this run's, or the one it resumes)",
-    "meshloom/observe/metrics.py:cached_cpu_peak": "a cache file of meshloom's own under data.cache_dir, via a temporary",
+    "meshloom/observe/cpu_peak.py:keep_cpu_peak": "meshloom's own CPU peak file in ~/.cache/meshloom, via a temporary",
     "meshloom/testing/layout_parity.py:launch": "the parity harness's cases file in its own new work folder",
     "meshloom/testing/layout_parity.py:worker": "a worker's result file in the harness's own work folder",
     "meshloom/testing/layout_parity.py:plot": "writes where `meshloom parity` says: a staged_file temporary",

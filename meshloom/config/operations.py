@@ -56,8 +56,9 @@ class MetricsConfig:
     """Show a progress bar in the console."""
 
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device for MFU; 0 = the GPU table, or on CPU a matmul measurement made once per machine
-    and kept in ~/.cache/meshloom/cpu_peak.json (MESHLOOM_REFRESH_CPU_PEAK=1 measures again), so MFU is stable."""
+    """Peak dense TFLOP/s of one device for MFU; 0 = the GPU table (by device name and matmul dtype), or on CPU the
+    best matmul rate measured on the run's shapes, kept in ~/.cache/meshloom/cpu_peak.json as the best seen and raised
+    when a step beats it (MESHLOOM_REFRESH_CPU_PEAK=1 measures again)."""
 
 
 @dataclass

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import json
-import math
-import os
 import re
 import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from meshloom.config.errors import UserError
-from meshloom.observe.cpu import cpu_model
+from meshloom.observe.cpu_peak import Shape, cached_cpu_peak
 from meshloom.tensors import local_tensor
 
 # Name of the config setting that overrides the peak, quoted in messages so users know what to set.
@@ -54,40 +49,42 @@ def flops_per_token(
     return 6.0 * num_params_no_embedding + 12.0 * n_layers * n_heads * head_dim * seq_len
 
 
-# Dense (non-sparse) tensor-core peaks per GPU, in TFLOPs: (bf16/fp16, fp32-as-TF32).
-# Matched against the lower-cased torch.cuda.get_device_name(); first match wins, so more
-# specific names (H100 NVL/PCIe) come before the generic ones. Patterns use word boundaries
-# so "a10" does not match "a100" and "l4" does not match "l40s".
-_GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    (r"\bgb200\b|\bb200\b", 2250.0, 1100.0),
-    (r"\bh200 nvl\b", 835.0, 418.0),
-    (r"\bh200\b|\bgh200\b", 989.0, 494.5),
-    (r"\bh100 nvl\b", 835.0, 418.0),
-    (r"\bh100\b.*\bpcie\b", 756.0, 378.0),
-    (r"\bh100\b|\bh800\b", 989.0, 494.5),  # SXM (e.g. "NVIDIA H100 80GB HBM3")
-    (r"\bh20\b", 148.0, 74.0),
-    (r"\ba100\b|\ba800\b", 312.0, 156.0),
-    (r"\bl40s\b", 362.0, 183.0),
-    (r"\bl40\b", 181.0, 90.5),
-    (r"\ba10g\b", 125.0, 62.5),
-    (r"\ba10\b", 125.0, 62.5),
-    (r"\bl4\b", 121.0, 60.0),
-    (r"\ba6000\b", 155.0, 77.4),
-    (r"\bmi325x\b|\bmi300x\b", 1307.0, 653.7),
-    (r"\bmi250x\b", 383.0, 95.7),  # no TF32 on CDNA2: fp32 figure is the fp32 matrix peak
+# Dense (non-sparse) peaks per GPU in TFLOPs, from the vendors' datasheets: (bf16/fp16 tensor cores, fp32 as TF32
+# on tensor cores, fp32 without TF32). Matched against the lower-cased torch.cuda.get_device_name(); first match wins,
+# so more specific names (H100 NVL/PCIe) come before the generic ones. Patterns use word boundaries so "a10" does not
+# match "a100" and "l4" does not match "l40s". An H200 measured in 2026-12 (torch 2.11, 8192^3 F.linear, best of 20)
+# reached 795 bf16, 410 TF32 and 51 plain fp32: each below its figure here.
+_GPU_PEAK_TFLOPS: list[tuple[str, float, float, float]] = [
+    (r"\bgb200\b|\bb200\b", 2250.0, 1100.0, 80.0),
+    (r"\bh200 nvl\b", 835.0, 418.0, 60.0),
+    (r"\bh200\b|\bgh200\b", 989.0, 494.5, 67.0),
+    (r"\bh100 nvl\b", 835.0, 418.0, 60.0),
+    (r"\bh100\b.*\bpcie\b", 756.0, 378.0, 51.0),
+    (r"\bh100\b|\bh800\b", 989.0, 494.5, 67.0),  # SXM (e.g. "NVIDIA H100 80GB HBM3")
+    (r"\bh20\b", 148.0, 74.0, 44.0),
+    (r"\ba100\b|\ba800\b", 312.0, 156.0, 19.5),
+    (r"\bl40s\b", 362.0, 183.0, 91.6),
+    (r"\bl40\b", 181.0, 90.5, 90.5),
+    (r"\ba10g\b", 125.0, 62.5, 31.2),
+    (r"\ba10\b", 125.0, 62.5, 31.2),
+    (r"\bl4\b", 121.0, 60.0, 30.3),
+    (r"\ba6000\b", 155.0, 77.4, 38.7),
+    (r"\bmi325x\b|\bmi300x\b", 1307.0, 653.7, 163.4),
+    (r"\bmi250x\b", 383.0, 95.7, 95.7),  # no TF32 on CDNA2: both fp32 figures are the fp32 matrix peak
 ]
 
 
-def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
-    """Dense peak TFLOPs for a GPU name and compute dtype, or None if the GPU is not in the table.
+def gpu_peak_tflops(device_name: str, dtype: torch.dtype, tf32: bool) -> float | None:
+    """Dense peak TFLOPs for a GPU name and the dtype its matmuls run in, or None if the GPU is not in the table.
 
-    float32 maps to the TF32 tensor-core figure, since fp32 matmuls are expected to run with TF32
-    enabled; if TF32 is disabled the real peak is lower and the reported MFU is pessimistic.
+    float32 takes the TF32 tensor-core figure where `tf32` (fp32 matmuls allowed to run as TF32, see
+    `cuda_fp32_uses_tf32`), else the plain fp32 figure: an fp32 run without TF32 measured against the TF32 peak
+    would report a fraction of its true MFU, and one with TF32 measured against plain fp32 could pass 100%.
     """
     if dtype in (torch.bfloat16, torch.float16):
         column = 1
     elif dtype == torch.float32:
-        column = 2
+        column = 2 if tf32 else 3
     else:
         raise UserError(
             f"no peak FLOPs figure for dtype {dtype}; use bfloat16, float16 or float32, "
@@ -100,114 +97,32 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-# Measured CPU rates of this process, keyed by (dtype, thread count); the file cache below keeps them across runs.
-_CPU_PEAK_CACHE: dict[tuple[torch.dtype, int], float] = {}
+# Peaks of this process, keyed by (dtype, thread count, matmul shapes); the kept file (observe/cpu_peak.py) holds them
+# across runs.
+_CPU_PEAK_CACHE: dict[tuple, float] = {}
 _WARNED_UNKNOWN: set[str] = set()
-# Set to 1 to measure the CPU peak again and overwrite the cached figure (e.g. after a change of machine load).
-CPU_PEAK_REFRESH_ENV = "MESHLOOM_REFRESH_CPU_PEAK"
-CPU_PEAK_FILE = "cpu_peak.json"
 
 
-def measure_cpu_matmul_flops(
-    dtype: torch.dtype = torch.float32, sizes: tuple[int, ...] = (256, 512, 1024), budget_s: float = 0.3, repeats: int = 10
-) -> float:
-    """Best dense matmul rate on this CPU in FLOPs/s over a few square sizes (an estimate, not a datasheet peak).
-
-    The product is F.linear (x @ W^T), the op every layer runs: with torch 2.13's CPU kernels a bf16 torch.mm of two
-    row-major matrices is about 10x slower than F.linear, so timing it would put the peak below what a model reaches.
-
-    Each product is timed by wall clock and by this process's CPU time (all threads); the shorter counts. Neither is
-    below the time the product takes on an idle machine, but with one thread the CPU time leaves out the time spent
-    descheduled by other jobs, which is not the CPU's speed. The largest size is not always the fastest (CPU bf16
-    kernels without hardware support slow down past the caches), so every size is tried until one product alone
-    takes longer than `budget_s`.
-    """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        dtype = torch.float32
-    gen = torch.Generator().manual_seed(0)
-    best = 0.0
-    for size in sizes:
-        a = torch.randn(size, size, generator=gen).to(dtype)
-        b = torch.randn(size, size, generator=gen).to(dtype)
-        flops = 2.0 * size**3
-        first = time.perf_counter()
-        F.linear(a, b)  # warm-up: first call pays for kernel selection and page faults
-        first = time.perf_counter() - first
-        start = time.perf_counter()
-        for _ in range(repeats):
-            wall, cpu = time.perf_counter(), time.process_time()
-            F.linear(a, b)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            best = max(best, flops / max(min(wall, cpu), 1e-9))
-            if time.perf_counter() - start > budget_s:
-                break
-        if first > budget_s:
-            break
-    return best
-
-
-def cpu_peak_cache_file() -> Path:
-    """Where measured CPU peaks are kept: $XDG_CACHE_HOME/meshloom (default ~/.cache/meshloom)/cpu_peak.json."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshloom" / CPU_PEAK_FILE
-
-
-def cpu_peak_key(dtype: torch.dtype) -> str:
-    """One cached figure per CPU model, thread count, torch version and dtype."""
-    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
-
-
-def _machine_is_busy() -> bool:
-    """More runnable processes than cores over the last minute (the load average), where one is known."""
-    try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1)
-    except OSError:
-        return False
-
-
-def cached_cpu_peak(dtype: torch.dtype) -> float:
-    """The CPU matmul peak from the per-machine cache file, measured (under a second) and stored when missing.
-
-    Measuring once per machine makes MFU comparable between identical runs: a figure re-measured at every start
-    moves with whatever else the machine is doing. It is stored only when the load average is below the core count,
-    so a busy machine measures per run until a quieter one stores it. MESHLOOM_REFRESH_CPU_PEAK=1 measures again.
-    """
-    refresh = os.environ.get(CPU_PEAK_REFRESH_ENV, "").strip().lower() not in ("", "0", "false", "no")
-    key = cpu_peak_key(dtype)
-    path = cpu_peak_cache_file()
-    try:
-        cached = json.loads(path.read_text())
-        if not isinstance(cached, dict):
-            cached = {}
-    except (OSError, ValueError):
-        cached = {}
-    value = cached.get(key)
-    if refresh or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        value = measure_cpu_matmul_flops(dtype)
-        if _machine_is_busy():
-            # A figure taken while other jobs crowd the cores would stay too low; such a run keeps it to itself.
-            return float(value)
-        cached[key] = value
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks may write at once: rename is atomic
-            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError as err:  # a read-only home still trains; the figure is then measured per run
-            warnings.warn(f"cannot cache the CPU peak in {path}: {err}", stacklevel=2)
-    return float(value)
+def cuda_fp32_uses_tf32() -> bool:
+    """Whether fp32 matmuls on CUDA run on TF32 tensor cores (torch.backends.cuda.matmul's setting)."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def peak_flops_per_second(
-    device: torch.device, dtype: torch.dtype, override_tflops: float | None
+    device: torch.device, dtype: torch.dtype, override_tflops: float | None, shapes: tuple[Shape, ...] = ()
 ) -> float:
     """Peak FLOPs/s of one device for MFU. Returns 0.0 when unknown (MFU is then not reported).
 
     - `override_tflops` (dense TFLOPs per device) always wins.
-    - CUDA/ROCm: looked up by device name in a table of dense bf16 / TF32 figures.
-      Unknown GPUs emit a warning once and return 0.0 rather than guessing.
-    - CPU: a matmul measurement in `dtype`, made once per machine (CPU model, threads, torch version) and
-      kept in ~/.cache/meshloom/cpu_peak.json (`cached_cpu_peak`; MESHLOOM_REFRESH_CPU_PEAK=1 measures again).
-      This is an estimate of attainable matmul throughput, so CPU "MFU" is relative to that, not to a datasheet.
+    - CUDA/ROCm: the device's own name and the dtype its matmuls run in (`dtype`, and for float32 whether TF32 is
+      on) select a row and column of a table of dense datasheet figures. Unknown GPUs emit a warning once and
+      return 0.0 rather than guessing.
+    - CPU: the best F.linear rate on `shapes` (the training's matmuls) and a few squares in `dtype` and the
+      thread count, kept per machine as the best seen (meshloom/observe/cpu_peak.py); `Throughput` measures again
+      and raises it when a window beats it. An estimate of attainable matmul throughput, not a datasheet figure.
     """
     if override_tflops is not None:
         if override_tflops <= 0:
@@ -219,14 +134,14 @@ def peak_flops_per_second(
 
     device = torch.device(device)
     if device.type == "cpu":
-        key = (dtype, torch.get_num_threads())
+        key = (dtype, torch.get_num_threads(), tuple(shapes))
         if key not in _CPU_PEAK_CACHE:
-            _CPU_PEAK_CACHE[key] = cached_cpu_peak(dtype)
+            _CPU_PEAK_CACHE[key] = cached_cpu_peak(dtype, shapes)
         return _CPU_PEAK_CACHE[key]
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        tflops = gpu_peak_tflops(name, dtype)
+        tflops = gpu_peak_tflops(name, dtype, tf32=cuda_fp32_uses_tf32())
         if tflops is not None:
             return tflops * 1e12
     else:
@@ -297,12 +212,19 @@ class Throughput:
         peak_flops_per_second: float,
         num_devices: int = 1,
         clock: Callable[[], float] = time.perf_counter,
+        remeasure_peak: Callable[[float], float] | None = None,
     ) -> None:
+        """`remeasure_peak(achieved)`: for a measured peak (CPU), the peak to use once a window achieved `achieved`
+        FLOPs/s per device above it; it must return at least `achieved`. None (a datasheet or configured peak):
+        the peak stays."""
         assert num_devices >= 1, f"num_devices must be >= 1, got {num_devices}"
         self.flops_per_token = flops_per_token
         self.peak_flops_per_second = peak_flops_per_second
         self.num_devices = num_devices
         self._clock = clock
+        self._remeasure_peak = remeasure_peak
+        # (old, new) peak for every time a window beat the measured peak.
+        self.raised_peaks: list[tuple[float, float]] = []
         self.reset()
 
     def reset(self) -> None:
@@ -320,8 +242,18 @@ class Throughput:
         tps = self._tokens / elapsed
         tps_device = tps / self.num_devices
         flops_device = tps_device * self.flops_per_token
+        if self._remeasure_peak is not None and 0 < self.peak_flops_per_second < flops_device:
+            # A peak a step beats is no peak: measured again, and at least what this window reached.
+            old, self.peak_flops_per_second = self.peak_flops_per_second, self._remeasure_peak(flops_device)
+            assert self.peak_flops_per_second >= flops_device, (self.peak_flops_per_second, flops_device)
+            self.raised_peaks.append((old, self.peak_flops_per_second))
+            warnings.warn(
+                f"a training window reached {flops_device / 1e9:.1f} GFLOP/s per device, above the measured peak of "
+                f"{old / 1e9:.1f}: measured again, the peak is now {self.peak_flops_per_second / 1e9:.1f} GFLOP/s",
+                stacklevel=2,
+            )
         mfu = flops_device / self.peak_flops_per_second if self.peak_flops_per_second > 0 else None
-        self.reset()
+        self.reset()  # after any measurement, so the next window does not count it
         return ThroughputStats(
             tokens_per_second=tps,
             tokens_per_second_per_device=tps_device,

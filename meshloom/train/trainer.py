@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from meshloom.data.tokenizer import check_builtin_vocab_fits
 from meshloom.inference.training_samples import build_prompt_sampler, check_sampling_config
 from meshloom.observe import flight_recorder
 from meshloom.observe.logging import MetricLogger
+from meshloom.observe.cpu_peak import remeasured_cpu_peak, training_matmul_shapes
 from meshloom.observe.metrics import Throughput, peak_flops_per_second, peak_memory_bytes
 from meshloom.observe.profiler import StepProfiler
 from meshloom.observe.stragglers import RankStepTimes
@@ -176,8 +178,14 @@ class Trainer:
         """Throughput and MFU, step-time spread, profiler and metric logging; rank 0 writes the run's config."""
         config = self.config
         self.step_times = RankStepTimes(self.device)
-        peak = peak_flops_per_second(self.device, self.plan.compute_dtype, config.metrics.peak_tflops or None)
-        self.throughput = Throughput(self.plan.shape().flops_per_token(config.training.seq_len), peak, num_devices=self.world_size)
+        # MFU's peak: on CPU measured on this run's matmul shapes, dtype and threads, and raised when a window beats it.
+        dtype, override, on_cpu = self.plan.compute_dtype, config.metrics.peak_tflops or None, self.device.type == "cpu"
+        tokens = config.training.local_batch_size * config.training.seq_len // self.dims.cp
+        shapes = training_matmul_shapes(self.plan.shape().block_params(0), tokens, self.dims.tp) if on_cpu else ()
+        peak = peak_flops_per_second(self.device, dtype, override, shapes)
+        remeasure = functools.partial(remeasured_cpu_peak, dtype, shapes) if on_cpu and override is None else None
+        flops_per_token = self.plan.shape().flops_per_token(config.training.seq_len)
+        self.throughput = Throughput(flops_per_token, peak, num_devices=self.world_size, remeasure_peak=remeasure)
         self.rank = rank()
         self.profiler = StepProfiler(config.profiling, self.run_dir, self.rank, self.device)
         self.logger = MetricLogger(
