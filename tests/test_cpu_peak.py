@@ -113,7 +113,7 @@ def test_a_short_training_run_reports_mfu_below_100_even_from_a_stale_low_peak(t
     args += ["--metrics.log_freq", "2"]
     config = load_config(args)
     kept_file.parent.mkdir(parents=True)
-    stale = 1e8  # 0.1 GFLOP/s
+    stale = 1e7  # 0.01 GFLOP/s, far below any CPU
     kept_file.write_text(json.dumps({P.cpu_peak_key(torch.float32): stale}))
     trainer = Trainer(config)
     assert trainer.throughput.peak_flops_per_second == stale
