@@ -1,6 +1,7 @@
 """Every recipe in configs/ (subfolders included, so a new one is covered) is accepted by the dry run on the world size
-its header names (`--world-size N`, or a planned recipe's `--gpus N`; one rank where it names none), and the
-activation-checkpointing choice a recipe's header explains still rests on the estimates it quotes."""
+its header names (`--world-size N`, or a planned recipe's `--gpus N`; one rank where it names none), a command its
+header quotes exists, and the activation-checkpointing choice a recipe's header explains still rests on the estimates
+it quotes."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ def header_world_size(text: str) -> int:
     """The ranks a recipe's header says to dry-run it on; 1 where it names none."""
     found = re.search(r"--world-size (\d+)", text) or re.search(r"--gpus (\d+)", text)
     return int(found.group(1)) if found else 1
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_a_command_a_recipe_header_quotes_exists_and_names_the_recipe(path: Path) -> None:
+    """`meshloom <command> ...` in a header (the dry run to check it with, the plan that made it) is a real command
+    and names this very file."""
+    from meshloom.cli import COMMANDS
+
+    rel = str(path.relative_to(CONFIGS.parent))
+    for command, rest in re.findall(r"meshloom ([a-z-]+)([^`\n]*)", path.read_text()):
+        assert command in COMMANDS, f"{rel}: `meshloom {command}` is not a command ({', '.join(COMMANDS)})"
+        assert re.search(rf"--(config|output) {re.escape(rel)}\b", rest), f"{rel}: `meshloom {command}{rest}` names another file"
 
 
 def test_the_walk_finds_every_recipe() -> None:
