@@ -116,7 +116,7 @@ def test_the_refusal_covers_whole_block_modes_under_tp_on_the_failing_releases_o
     monkeypatch.setattr(features, "installed_torch_release", lambda: release)
     config = load_config([*base_overrides(6, tmp_path), "--compile.enable", "true", *settings])
     if refused:
-        with pytest.raises(ConfigError, match=r"compile\.enable \(compile\): under tensor parallel, AOTAutograd of torch 2\.12"):
+        with pytest.raises(ConfigError, match=r"compile\.enable \(compile\): under tensor parallel, torch's AOTAutograd fails .* refused from 2\.12 on"):
             RunPlan.build(config, 2)
     else:
         RunPlan.build(config, 2)

@@ -287,8 +287,9 @@ CONFLICTS: tuple[Conflict, ...] = (
     ),
     Conflict(
         "ac_whole_blocks", "compile",
-        "under tensor parallel, AOTAutograd of torch 2.12 and later fails on a compiled block that is checkpointed "
-        "whole (the recomputed region saves the DeviceMesh of its DTensors as if it were a tensor; torch 2.11 trains it)",
+        "under tensor parallel, torch's AOTAutograd fails on a compiled block that is checkpointed whole (the "
+        "recomputed region saves the DeviceMesh of its DTensors as if it were a tensor; seen on torch 2.13, refused "
+        "from 2.12 on, torch 2.11 trains it)",
         "use activation_checkpoint.mode = 'selective_op' with compile under tensor parallel, or compile.enable = false",
         when=lambda f: f.dims.tp > 1 and f.torch_release >= WHOLE_BLOCK_AC_TP_FAILS_FROM, when_witness=("--parallelism.tp", "2"),
     ),
