@@ -178,6 +178,10 @@ _DEFINED = [
         ("--training.nonfinite", "rollback", "--checkpoint.enable", "true"),
     ),
     Feature(
+        "no_checkpoints", "no checkpoints", "checkpoint.enable = false", lambda f: not f.config.checkpoint.enable,
+        ("--checkpoint.enable", "false"),
+    ),
+    Feature(
         "elastic_resize", "elastic resize", "parallelism.resize", lambda f: f.config.parallelism.resize != "none",
         ("--parallelism.resize", "dp_shard"),
     ),
@@ -237,6 +241,11 @@ CONFLICTS: tuple[Conflict, ...] = (
             "choose training.nonfinite = 'halt' or 'skip_step'",
         )
         for kind in _REPLICA_KINDS
+    ),
+    Conflict(
+        "rollback", "no_checkpoints",
+        "a rollback reloads the latest checkpoint, and this run saves none",
+        "set --checkpoint.enable true (with a checkpoint.interval) or choose training.nonfinite = 'halt' or 'skip_step'",
     ),
     Conflict(
         "elastic_resize", "streaming",
