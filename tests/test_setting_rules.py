@@ -98,7 +98,7 @@ NAMED_IDLE = [
     (["--parallelism.cp", "2", "--data.document_mask", "true"], "parallelism.cp_document_chunks", "2"),
     (["--checkpoint.resume", "true"], "checkpoint.keep_last_k", "2"),
     (["--checkpoint.initial_load_path", "elsewhere"], "checkpoint.fallback_on_corrupt", "true"),
-    (["--validation.enable", "true", "--validation.prompts", "p.txt"], "validation.sample_seed", "3"),
+    (["--validation.prompts", "p.txt"], "validation.sample_seed", "3"),
     (["--fault_injection.nan_sample_id", "4"], "fault_injection.rank", "0"),
 ]
 

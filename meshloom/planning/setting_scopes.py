@@ -146,9 +146,10 @@ SCOPES: tuple[Scope, ...] = (
         ("checkpoint.hf_export_dtype",), lambda f: f.config.checkpoint.hf_export_interval > 0,
         "checkpoint.hf_export_interval > 0",
     ),
+    Scope(("validation.steps",), lambda f: f.config.validation.enable, "validation.enable = true"),
     Scope(
-        ("validation.freq", "validation.steps", "validation.prompts"), lambda f: f.config.validation.enable,
-        "validation.enable = true",
+        ("validation.freq",), lambda f: f.config.validation.enable or bool(f.config.validation.prompts),
+        "validation.enable = true or validation.prompts is set (the evaluations it spaces: losses or samples)",
     ),
     Scope(
         ("validation.max_new_tokens", "validation.temperature", "validation.top_k", "validation.top_p"),
@@ -216,7 +217,7 @@ ALWAYS: tuple[str, ...] = (
     "data.cache_dir",
     "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.pp", "parallelism.cp",
     "parallelism.ep", "parallelism.resize", "parallelism.init",
-    "validation.enable",
+    "validation.enable", "validation.prompts",  # samples are drawn at each evaluation even with validation.enable false
     "metrics.log_freq", "metrics.tensorboard", "metrics.wandb", "metrics.progress_bar", "metrics.peak_tflops",
     "checkpoint.enable", "checkpoint.resume", "checkpoint.hf_export_interval",
     "compile.enable", "activation_checkpoint.mode", "float8.enable",
