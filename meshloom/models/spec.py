@@ -19,7 +19,7 @@ Everything family-specific sits behind one spec in `meshloom/models/<family>/`; 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,11 @@ class ModelSpec:
     # The attention kernel the family's layers run: "sdpa", or "flex" (FlexAttention: windows, sinks), whose
     # constraints (meshloom/planning/features.py) apply to the family.
     attention_kernel: str = "sdpa"
+    # Each block's token-mixer kind (e.g. "full-attention block (every 4th block)"), as a noun phrase the refusal names
+    # with the rule that places it. A depth override (model.n_layers) that drops a kind the flavour has is refused
+    # (models/registry.py): a hybrid model without its full-attention blocks. (Fewer blocks than a flavour's dense
+    # prefix is a dense model by design, e.g. DeepSeek-V3's n_dense_layers = n_layers, so MLP kinds are not listed.)
+    layer_kinds: Callable[[Any], Sequence[tuple[str, ...]]] = lambda args: [()] * args.n_layers
 
     @property
     def args_cls(self) -> type:
