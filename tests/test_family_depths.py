@@ -46,6 +46,6 @@ def test_qwen3_next_without_full_attention_is_refused_before_any_work(tmp_path: 
     line = one_line_error(cli(argv), capsys.readouterr().err, "model.n_layers = 3")
     assert line == (
         "meshloom: error: model.n_layers = 3 leaves the qwen3_next tiny model without a full-attention block (full "
-        "attention sits on every 4th block); use model.n_layers >= 4 (0 keeps the flavour's 4)"
+        "attention sits on every 4th block); set model.n_layers >= 4 (0 keeps the flavour's 4)"
     )
     assert not (tmp_path / "run").exists()

@@ -59,7 +59,7 @@ def _refuse_lost_kinds(model: Any, flavour: Any) -> None:
     enough = next((n for n in depths if wanted <= _kinds(spec, dataclasses.replace(flavour, n_layers=n))), flavour.n_layers)
     raise ConfigError(
         f"model.n_layers = {model.n_layers} leaves the {model.name} {model.flavor} model without a "
-        f"{' or '.join(sorted(missing))}; use model.n_layers >= {enough} "
+        f"{' or '.join(sorted(missing))}; set model.n_layers >= {enough} "
         f"(0 keeps the flavour's {flavour.n_layers})"
     )
 
