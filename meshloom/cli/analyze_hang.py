@@ -15,7 +15,6 @@ group membership from the `groups` that meshloom writes next to the trace (see o
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys

@@ -8,7 +8,6 @@ The estimates and the search are `meshloom.planning.planner`'s; this is the comm
 
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 import sys

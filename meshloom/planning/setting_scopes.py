@@ -101,9 +101,9 @@ SCOPES: tuple[Scope, ...] = (
         "data.path names a folder that the run reads (the built-in dataset, or the built-in tokenizer's corpus)",
     ),
     Scope(
-        ("data.path", "data.max_bytes"),
+        ("data.path", "data.max_bytes", "data.cache_dir"),
         lambda f: f.config.data.dataset == "builtin" or f.config.data.tokenizer == "builtin",
-        "the run reads the text corpus (data.dataset = 'builtin', or the built-in tokenizer trained on it)",
+        "the run reads the text corpus (data.dataset = 'builtin', or the built-in tokenizer trained on it and cached)",
         idle_witness=("--data.dataset", "streaming", "--data.stream", "s.jsonl", "--data.tokenizer", "tokenizer.json"),
     ),
     Scope(
@@ -214,7 +214,6 @@ ALWAYS: tuple[str, ...] = (
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_type", "lr_scheduler.min_lr_ratio",
     "data.tokenizer", "data.dataset", "data.document_mask",
     "data.validation_fraction",  # held out of training even when validation.enable is false
-    "data.cache_dir",
     "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.pp", "parallelism.cp",
     "parallelism.ep", "parallelism.resize", "parallelism.init",
     "validation.enable", "validation.prompts",  # samples are drawn at each evaluation even with validation.enable false

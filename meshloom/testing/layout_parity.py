@@ -37,7 +37,7 @@ def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True, re
     tokenizer's vocabulary is set only for runs that use it, and the corpus's size only for runs that read the corpus
     (the built-in dataset or tokenizer): a setting that cannot act is refused."""
     vocab = ["--data.vocab_size", "512"] if builtin_tokenizer else []
-    corpus = ["--data.max_bytes", "400000"] if reads_corpus or builtin_tokenizer else []
+    corpus = ["--data.max_bytes", "400000", "--data.cache_dir", str(workdir / "cache")] if reads_corpus or builtin_tokenizer else []
     return [
         "--model.flavor", "tiny",
         "--training.steps", str(steps),
@@ -48,7 +48,6 @@ def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True, re
         "--lr_scheduler.warmup_steps", "2",
         *corpus,
         *vocab,
-        "--data.cache_dir", str(workdir / "cache"),
         "--validation.enable", "false",
         "--metrics.tensorboard", "false",
         "--metrics.progress_bar", "false",
