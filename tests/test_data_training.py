@@ -76,7 +76,7 @@ def test_parallel_layouts_on_masked_shards_match_one_process(tmp_path, shards):
     data = {"data.dataset": "shards", "data.shards": str(folder), "data.tokenizer": str(tok_path), "data.document_mask": "true"}
     extra = [arg for key, value in data.items() for arg in (f"--{key}", value)]
     steps = 4
-    base = base_overrides(steps, tmp_path, builtin_tokenizer=False)
+    base = base_overrides(steps, tmp_path, builtin_tokenizer=False, reads_corpus=False)
     reference = run_steps(base + extra + ["--job.dump_folder", str(tmp_path / "ref")])
     unmasked = run_steps(base + extra[:-2] + ["--job.dump_folder", str(tmp_path / "plain")])
     assert max(abs(a - b) for a, b in zip(reference.losses, unmasked.losses)) > 1e-4  # the mask is really applied

@@ -373,7 +373,7 @@ def test_shared_experts_must_split_over_tp():
         (2, ["--parallelism.cp", "2", "--moe.aux_loss_coef", "1e-3"], "the sequence-wise balance loss needs whole sequences"),
         (1, ["--compile.enable", "true", "--moe.grouped_mm", "off"], "fullgraph blocks cannot trace"),
         (1, ["--model.flavor", "16B", "--checkpoint.hf_export_interval", "10"], "always routes by sigmoid scores"),
-        (4, ["--parallelism.cp", "4", "--training.seq_len", "8"], "multi-token prediction looks 2 tokens ahead"),
+        (4, ["--parallelism.cp", "4", "--training.seq_len", "8"], r"\(multi-token prediction\) with parallelism.cp > 1 \(CP\): .*\(it looks 2 tokens ahead; training.seq_len = 8 makes chunks of 1\)"),
     ],
 )
 def test_settings_the_model_cannot_honour_are_config_errors(world, settings, message):

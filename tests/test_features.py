@@ -24,10 +24,24 @@ def _world(argv: list[str]) -> int:
     return math.prod(max(d, 1) for d in (par.dp_replicate, par.dp_shard, par.tp, par.pp, par.cp))
 
 
+def _witness_files(tmp_path: Path) -> None:
+    """The files witnesses name under {tmp}: a tokenizer.json whose one special token is both bos and eos."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "shared_bos_eos.json"))
+
+
+def _argv(witnesses: list[str], tmp_path: Path) -> list[str]:
+    witnesses = [w.replace("{tmp}", str(tmp_path)) for w in witnesses]
+    return [*base_overrides(6, tmp_path, builtin_tokenizer="--data.tokenizer" not in witnesses), *witnesses]
+
+
 @pytest.mark.parametrize("conflict", CONFLICTS, ids=lambda c: f"{c.first}-{c.second}")
 def test_each_declared_pair_is_refused_with_its_line(conflict: Conflict, tmp_path: Path) -> None:
-    argv = [*base_overrides(6, tmp_path), *FEATURES[conflict.first].witness, *FEATURES[conflict.second].witness,
-            *conflict.when_witness]
+    _witness_files(tmp_path)
+    argv = _argv([*FEATURES[conflict.first].witness, *FEATURES[conflict.second].witness, *conflict.when_witness], tmp_path)
     config = load_config(argv)
     with pytest.raises(ConfigError) as refused:
         RunPlan.build(config, _world(argv))
@@ -35,14 +49,14 @@ def test_each_declared_pair_is_refused_with_its_line(conflict: Conflict, tmp_pat
 
 
 def _facts(config, world: int) -> Facts:
-    spec = get_model_spec(config.model.name)
-    args = configured_model_args(config.model)
+    spec, args = get_model_spec(config.model.name), configured_model_args(config.model)
     return run_facts(config, ParallelDims.from_config(config.parallelism, world), spec, spec.shape_model(args), args)
 
 
 def test_every_feature_of_a_conflict_has_a_witness_that_turns_it_on(tmp_path: Path) -> None:
+    _witness_files(tmp_path)
     for name in {n for c in CONFLICTS for n in (c.first, c.second)}:
-        argv = [*base_overrides(6, tmp_path), *FEATURES[name].witness]
+        argv = _argv(list(FEATURES[name].witness), tmp_path)
         assert name in active(_facts(load_config(argv), _world(argv))), name
 
 

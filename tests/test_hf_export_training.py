@@ -112,7 +112,7 @@ def test_one_process_exports_samples_and_never_overwrites(root: Path, capsys) ->
     ("extra", "message"),
     [
         (["--checkpoint.hf_export_interval", "-1"], r"checkpoint.hf_export_interval must be >= 0"),
-        (["--validation.top_p", "1.5"], r"validation.top_p must be in \(0, 1\]"),
+        (["--validation.top_p", "1.5"], r"validation.top_p must lie in \(0, 1\]"),
         (["--validation.prompts", "nowhere.jsonl"], r"validation.prompts: prompt file nowhere.jsonl not found"),
         (["--validation.max_new_tokens", "300"], r"with validation.max_new_tokens 300 .*max_seq_len = 256"),
     ],

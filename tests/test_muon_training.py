@@ -279,10 +279,10 @@ def test_qk_clip_is_refused_where_it_cannot_work():
         load_config(["--optimizer.qk_clip_threshold", "-1"])
     toy = ["--model.plugin", "tests.toy_family", "--model.name", "toy", "--model.flavor", "tiny"]
     toy += ["--optimizer.qk_clip_threshold", "50"]
-    with pytest.raises(ConfigError, match=r"toy model family does not offer it \(its attention does not factor per head\).* = 0"):
+    with pytest.raises(ConfigError, match=r"^optimizer.qk_clip_threshold > 0 \(QK-clip\) with toy tiny .*this model family does not offer it \(its attention does not factor per head\); set optimizer.qk_clip_threshold = 0$"):
         RunPlan.build(load_config(toy), 1)
     qwen3 = ["--model.name", "qwen3", "--model.flavor", "tiny", "--optimizer.qk_clip_threshold", "50"]
-    with pytest.raises(ConfigError, match=r"qwen3 model family does not offer it \(its QK-norm RMS-normalises"):
+    with pytest.raises(ConfigError, match=r"with qwen3 tiny .*this model family does not offer it \(its QK-norm RMS-normalises"):
         RunPlan.build(load_config(qwen3), 1)
     for name in ("llama3", "deepseek_v3"):  # context parallel takes the maxima over cp
         cp = ["--model.name", name, "--model.flavor", "tiny", "--optimizer.qk_clip_threshold", "50",

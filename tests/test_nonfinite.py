@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshloom.config import ConfigError, load_config
+from meshloom.planning.run_plan import RunPlan
 from meshloom.train.nonfinite import NonFiniteError
 from meshloom.train.trainer import StepResult, Trainer
 
@@ -84,5 +85,6 @@ def test_rollback_gives_up_after_max_rollbacks_and_needs_checkpoints(tiny_args, 
         Trainer(load_config(args)).train()
     with pytest.raises(NonFiniteError, match=r"at step 2 after 0 rollbacks \(training.max_rollbacks\)"):
         Trainer(load_config(args + ["--training.max_rollbacks", "0", "--job.dump_folder", str(tmp_path / "second")])).train()
-    with pytest.raises(ConfigError, match=r"training.nonfinite = 'rollback' reloads the latest checkpoint, but checkpoint.enable is false"):
-        load_config(_args(tiny_args) + ["--training.nonfinite", "rollback"])
+    with pytest.raises(ConfigError, match=r"^training.nonfinite = 'rollback' \(rollback on NaN\) with checkpoint.enable = false "
+                       r"\(no checkpoints\): a rollback reloads the latest checkpoint, and this run saves none"):
+        RunPlan.build(load_config(_args(tiny_args) + ["--training.nonfinite", "rollback"]), 1)

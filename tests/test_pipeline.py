@@ -112,8 +112,9 @@ def test_zero_bubble_schedules_keep_fsdp_parameters_gathered(schedule):
     assert plan("--pipeline.schedule", schedule, "--pipeline.microbatches", "4", dp_shard=2).fsdp_reshard_after_forward == "never"
     with pytest.raises(ConfigError, match="fsdp_reshard_after_forward = default"):
         plan("--pipeline.schedule", schedule, "--pipeline.microbatches", "4", "--parallelism.fsdp_reshard_after_forward", "always", dp_shard=2)
-    # Without FSDP there is nothing to reshard, and other schedules keep the user's choice.
-    plan("--pipeline.schedule", schedule, "--pipeline.microbatches", "4", "--parallelism.fsdp_reshard_after_forward", "always")
+    # Without FSDP there is nothing to reshard: the setting is refused as idle. Other schedules keep the user's choice.
+    with pytest.raises(ConfigError, match=r"^parallelism.fsdp_reshard_after_forward = 'always' has no effect"):
+        plan("--pipeline.schedule", schedule, "--pipeline.microbatches", "4", "--parallelism.fsdp_reshard_after_forward", "always")
     assert plan("--parallelism.fsdp_reshard_after_forward", "always", dp_shard=2).fsdp_reshard_after_forward == "always"
 
 

@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from meshloom.planning.features import WHOLE_BLOCK_AC_TP_FAILS_FROM, installed_torch_release
+from meshloom.planning.facts import installed_torch_release
+from meshloom.planning.features import WHOLE_BLOCK_AC_TP_FAILS_FROM
 
 FAILURE = "expected all tensors_saved_with_vc_check to be Tensors"
 
@@ -109,11 +110,11 @@ def test_the_refusal_covers_whole_block_modes_under_tp_on_the_failing_releases_o
     FSDP alone (both train on 2.13, checked with two gloo ranks) and torch 2.11 are accepted."""
     from meshloom.config.errors import ConfigError
     from meshloom.config.loader import load_config
-    from meshloom.planning import features
+    from meshloom.planning import facts
     from meshloom.planning.run_plan import RunPlan
     from meshloom.testing.layout_parity import base_overrides
 
-    monkeypatch.setattr(features, "installed_torch_release", lambda: release)
+    monkeypatch.setattr(facts, "installed_torch_release", lambda: release)
     config = load_config([*base_overrides(6, tmp_path), "--compile.enable", "true", *settings])
     if refused:
         with pytest.raises(ConfigError, match=r"compile\.enable \(compile\): under tensor parallel, torch's AOTAutograd fails .* refused from 2\.12 on"):

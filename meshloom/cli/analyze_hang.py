@@ -15,7 +15,6 @@ group membership from the `groups` that meshloom writes next to the trace (see o
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -23,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshloom.cli.numbers import count, number, CommandParser
+from meshloom.config.ranges import Range
 from meshloom.config.errors import UserError
 from meshloom.observe.flight_recorder import FOLDER
 
@@ -94,6 +95,13 @@ class HangReport:
         if self.late:
             return [self.late.rank]
         return self.no_dump
+
+
+# The range of each numeric option (meshloom/cli/numbers.py).
+NUMBERS = {
+    "--attempt": (int, count()),
+    "--late-seconds": (float, Range(0)),
+}
 
 
 def find_dump_folder(path: Path, attempt: int | None = None) -> Path:
@@ -255,10 +263,10 @@ def _jsonable(report: HangReport) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshloom analyze-hang", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="meshloom analyze-hang", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="run folder (or its flight_recorder/ or one attempt-N/ folder)")
-    parser.add_argument("--attempt", type=int, default=None, help="torchrun restart attempt to read (default: the latest)")
-    parser.add_argument("--late-seconds", type=float, default=1.0, help="report a rank that entered a collective this much after the first")
+    parser.add_argument("--attempt", type=number(NUMBERS, "--attempt"), default=None, help="torchrun restart attempt to read (default: the latest)")
+    parser.add_argument("--late-seconds", type=number(NUMBERS, "--late-seconds"), default=1.0, help="report a rank that entered a collective this much after the first")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:

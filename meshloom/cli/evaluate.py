@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from meshloom.cli.numbers import count, number, CommandParser
+from meshloom.config.ranges import Range
 from meshloom.config.errors import UserError
 
 DESCRIPTION = """Evaluate a run folder (its latest complete checkpoint), a checkpoint or a Hugging Face folder on held-out
@@ -16,13 +18,21 @@ text: 'validation' (the held-out split of the run's data.path, or of the built-i
 byte as JSON. Other arguments are settings of the run (--section.field VALUE), e.g. --parallelism.tp 2 under torchrun."""
 
 
+# The range of each numeric option (meshloom/cli/numbers.py).
+NUMBERS = {
+    "--seq-len": (int, count("0 = the run's training.seq_len")),
+    "--batch-size": (int, Range(1)),
+    "--max-batches": (int, count("0 = all batches")),
+}
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshloom eval", description=DESCRIPTION)
+    p = CommandParser(prog="meshloom eval", description=DESCRIPTION)
     p.add_argument("source", type=Path, help="RUN_DIR | CHECKPOINT | HF_FOLDER")
     p.add_argument("--data", nargs="+", required=True, help="'validation', a prepared shard folder, or text/jsonl files and folders")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per window (default: the run's training.seq_len)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per data-parallel rank and batch")
-    p.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0 = all; bits per byte needs all)")
+    p.add_argument("--seq-len", type=number(NUMBERS, "--seq-len"), default=0, help="tokens per window (default: the run's training.seq_len)")
+    p.add_argument("--batch-size", type=number(NUMBERS, "--batch-size"), default=8, help="windows per data-parallel rank and batch")
+    p.add_argument("--max-batches", type=number(NUMBERS, "--max-batches"), default=0, help="stop after this many batches (0 = all; bits per byte needs all)")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json or tiktoken file instead of the source's own")
     p.add_argument("--output", type=Path, default=Path("eval.json"), help="where the JSON result goes (default: eval.json)")
@@ -42,12 +52,6 @@ def main(argv: list[str]) -> int:
         bad = [a for a in settings if a.startswith("--") and "." not in a.partition("=")[0]]
         if bad:
             raise UserError(f"unknown argument {bad[0]}; settings look like --parallelism.tp 2")
-        if args.max_batches < 0:
-            raise UserError(f"--max-batches must be >= 0 (0 = all batches), got {args.max_batches}")
-        if args.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-        if args.seq_len < 0:
-            raise UserError(f"--seq-len must be >= 0 (0 = the run's training.seq_len), got {args.seq_len}")
         inputs = tuple(("the --data input " + d, Path(d)) for d in args.data if d != "validation")
         inputs += (("the --tokenizer file", Path(args.tokenizer)),) if args.tokenizer else ()
         check_output_file(args.output, args.overwrite, inputs)  # before the evaluation, not after it

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from meshloom.cli.numbers import count, fraction, number, CommandParser
+from meshloom.config.ranges import Range
 from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.inference.sampling import SamplingSettings
@@ -17,18 +19,29 @@ model: a run folder (its latest complete checkpoint and its tokenizer settings),
 Hugging Face folder (config.json + safetensors + tokenizer.json). Greedy when --temperature is 0."""
 
 
+# The range of each numeric option (meshloom/cli/numbers.py).
+NUMBERS = {
+    "--max-new-tokens": (int, Range(1)),
+    "--temperature": (float, Range(0, note="0 = greedy")),
+    "--top-k": (int, count("0 = no top-k cut")),
+    "--top-p": (float, fraction("1 = no nucleus cut")),
+    "--seed": (int, count()),  # torch's generators take up to 2**64 - 1; each batch adds its index
+    "--batch-size": (int, Range(1)),
+}
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshloom generate", description=DESCRIPTION)
+    p = CommandParser(prog="meshloom generate", description=DESCRIPTION)
     p.add_argument("source", type=Path, help="RUN_DIR | CHECKPOINT | HF_FOLDER")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt; its tokens stream to the console")
     prompts.add_argument("--prompts", type=Path, help="a .jsonl file ({\"prompt\": ...} per line) or a text file (one prompt a line)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample within the smallest set of tokens of this total probability")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (each batch of --prompts adds its index)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (left-padded)")
+    p.add_argument("--max-new-tokens", type=number(NUMBERS, "--max-new-tokens"), default=64)
+    p.add_argument("--temperature", type=number(NUMBERS, "--temperature"), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=number(NUMBERS, "--top-k"), default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=number(NUMBERS, "--top-p"), default=1.0, help="sample within the smallest set of tokens of this total probability")
+    p.add_argument("--seed", type=number(NUMBERS, "--seed"), default=0, help="seed of the sampler (each batch of --prompts adds its index)")
+    p.add_argument("--batch-size", type=number(NUMBERS, "--batch-size"), default=8, help="prompts decoded together (left-padded)")
     p.add_argument("--output", type=Path, default=None,
                    help="JSONL of the completions (default with --prompts: PROMPTS-generations.jsonl beside it; with --prompt: none)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
@@ -69,8 +82,6 @@ def run(args: argparse.Namespace) -> int:
     from meshloom.inference.prompts import read_prompts  # noqa: PLC0415
 
     settings = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed).check().check_cuts_apply()
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     device, dtype = loading.parse_device(args.device, "--device"), parse_dtype(args.dtype)
     texts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts, "--prompts")
     output = args.output

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshloom.cli.numbers import count, number, positive_float, positive_int, CommandParser
 from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.parallel.dims import DEGREE_NAMES
@@ -38,15 +39,25 @@ SCHEDULER_OPTIONS = {
 }
 
 
+# The range of each numeric option (meshloom/cli/numbers.py).
+NUMBERS = {
+    "--nodes": (int, positive_int()),
+    "--gpus-per-node": (int, positive_int()),
+    "--min-nodes": (int, positive_int()),
+    "--max-restarts": (int, count()),
+    "--gpu-memory-gib": (float, positive_float()),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshloom launch", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = CommandParser(prog="meshloom launch", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("scheduler", choices=("slurm", "k8s", "ray"))
     parser.add_argument("--config", required=True, help="the recipe (TOML or YAML), as the nodes will find it")
-    parser.add_argument("--nodes", type=int, required=True, help="nodes (the most, for an elastic run)")
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node: GPUs (or CPU workers with training.device cpu)")
-    parser.add_argument("--min-nodes", type=int, help="elastic: continue on as few as this many nodes (torchrun --nnodes MIN:MAX)")
-    parser.add_argument("--max-restarts", type=int, help="torchrun restarts (slurm/k8s) or Ray worker-group restarts (ray)")
-    parser.add_argument("--gpu-memory-gib", type=float, help="refuse a layout whose dry run exceeds this memory per GPU")
+    parser.add_argument("--nodes", type=number(NUMBERS, "--nodes"), required=True, help="nodes (the most, for an elastic run)")
+    parser.add_argument("--gpus-per-node", type=number(NUMBERS, "--gpus-per-node"), required=True, help="ranks per node: GPUs (or CPU workers with training.device cpu)")
+    parser.add_argument("--min-nodes", type=number(NUMBERS, "--min-nodes"), help="elastic: continue on as few as this many nodes (torchrun --nnodes MIN:MAX)")
+    parser.add_argument("--max-restarts", type=number(NUMBERS, "--max-restarts"), help="torchrun restarts (slurm/k8s) or Ray worker-group restarts (ray)")
+    parser.add_argument("--gpu-memory-gib", type=number(NUMBERS, "--gpu-memory-gib"), help="refuse a layout whose dry run exceeds this memory per GPU")
     parser.add_argument("--name", default="meshloom", help="job name (SLURM job, TrainJob, Ray run)")
     parser.add_argument("--output", type=Path, help="the file to write (slurm: NAME.sbatch, k8s: NAME.yaml)")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")

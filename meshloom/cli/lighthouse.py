@@ -14,21 +14,33 @@ import signal
 import sys
 import threading
 
+from meshloom.cli.numbers import count, number, positive_int, CommandParser
+from meshloom.config.ranges import Range
 from meshloom.planning.checks import EXTRA_HINT, torchft_installed
 
 
+# The range of each numeric option (meshloom/cli/numbers.py).
+NUMBERS = {
+    "--port": (int, Range(0, 65535, note="0 picks a free one")),
+    "--min-replicas": (int, positive_int()),
+    "--join-timeout-ms": (int, count()),
+    "--quorum-tick-ms": (int, count()),
+    "--heartbeat-timeout-ms": (int, count()),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshloom lighthouse", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="meshloom lighthouse", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bind", default="[::]", help="address to listen on (default: every interface)")
-    parser.add_argument("--port", type=int, default=29510, help="port to listen on; 0 picks a free one (default 29510)")
-    parser.add_argument("--min-replicas", type=int, default=1, help="fewest replica groups a quorum may have (default 1)")
+    parser.add_argument("--port", type=number(NUMBERS, "--port"), default=29510, help="port to listen on; 0 picks a free one (default 29510)")
+    parser.add_argument("--min-replicas", type=number(NUMBERS, "--min-replicas"), default=1, help="fewest replica groups a quorum may have (default 1)")
     parser.add_argument(
-        "--join-timeout-ms", type=int, default=60000,
+        "--join-timeout-ms", type=number(NUMBERS, "--join-timeout-ms"), default=60000,
         help="how long a quorum waits for groups that heartbeat but have not asked to join yet (default 60000)",
     )  # fmt: skip
-    parser.add_argument("--quorum-tick-ms", type=int, default=100, help="how often a quorum is attempted (default 100)")
+    parser.add_argument("--quorum-tick-ms", type=number(NUMBERS, "--quorum-tick-ms"), default=100, help="how often a quorum is attempted (default 100)")
     parser.add_argument(
-        "--heartbeat-timeout-ms", type=int, default=5000,
+        "--heartbeat-timeout-ms", type=number(NUMBERS, "--heartbeat-timeout-ms"), default=5000,
         help="a group silent this long is taken for dead and left out of the next quorum (default 5000)",
     )  # fmt: skip
     return parser
@@ -36,10 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("min_replicas", "join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
-        if getattr(args, name) < (1 if name == "min_replicas" else 0):
-            print(f"meshloom: error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
-            return 2
     if not torchft_installed():
         print(f"meshloom: error: `meshloom lighthouse` needs torchft, which is not installed; {EXTRA_HINT}", file=sys.stderr)
         return 2

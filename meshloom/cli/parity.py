@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from meshloom.cli.numbers import number, positive_int, CommandParser
 from meshloom.config.errors import UserError
 from meshloom.output import check_output_file, staged_file
 from meshloom.testing import layout_parity
 
 
+# The range of each numeric option (meshloom/cli/numbers.py).
+NUMBERS = {
+    "--steps": (int, positive_int()),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="meshloom parity", description=layout_parity.__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="meshloom parity", description=layout_parity.__doc__.split("\n\n")[0])
     parser.add_argument("--layout", action="append", required=True, help="e.g. dp_shard=2,tp=2 (repeatable)")
     parser.add_argument("--common", default="", help="settings for the reference and every layout, e.g. model.n_layers=4")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=number(NUMBERS, "--steps"), default=10)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")

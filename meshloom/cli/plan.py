@@ -8,13 +8,13 @@ The estimates and the search are `meshloom.planning.planner`'s; this is the comm
 
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from meshloom.cli.numbers import fraction, number, positive_float, positive_int, CommandParser
 from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
 from meshloom.planning.layout import AC_MODES
@@ -22,6 +22,21 @@ from meshloom.planning.memory_estimate import OPTIMIZERS
 from meshloom.planning.plan_report import expert_comm_note, format_table, layout_toml, recipe_note
 from meshloom.planning.planner import PLAN_SCHEDULES, SearchSpace, plan
 from meshloom.planning.step_time import EXPERT_COMM_MODES, INTERCONNECTS, Cluster
+
+
+# The range of each numeric option (meshloom/cli/numbers.py).
+NUMBERS = {
+    # Bounds beyond any cluster, so that the search stays short (the planner also refuses a search it cannot finish).
+    "--gpus": (int, positive_int(high=2**20)),
+    "--gpus-per-node": (int, positive_int(high=1024)),
+    "--gpu-memory-gib": (float, positive_float()),
+    "--seq-len": (int, positive_int()),
+    "--global-batch": (int, positive_int(high=2**20)),
+    "--mfu": (float, fraction()),
+    "--peak-tflops": (float, positive_float()),
+    "--headroom": (float, fraction()),
+    "--top": (int, positive_int()),
+}
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -34,18 +49,18 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="meshloom plan", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="meshloom plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3", help="model family (model.name), e.g. llama3, qwen3, deepseek_v3")
     parser.add_argument("--flavor", required=True, help="the family's flavour, e.g. llama3's 8B, 70B, 405B")
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs; the plan uses exactly this many")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser.add_argument("--gpus", type=number(NUMBERS, "--gpus"), required=True, help="number of GPUs; the plan uses exactly this many")
+    parser.add_argument("--gpus-per-node", type=number(NUMBERS, "--gpus-per-node"), default=8)
+    parser.add_argument("--gpu-memory-gib", type=number(NUMBERS, "--gpu-memory-gib"), default=80.0)
     parser.add_argument("--interconnect", default="nvlink_ib", choices=sorted(INTERCONNECTS))
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    parser.add_argument("--mfu", type=float, default=0.4, help="share of peak FLOP/s the compute reaches")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU")
-    parser.add_argument("--headroom", type=float, default=0.9, help="usable share of GPU memory")
+    parser.add_argument("--seq-len", type=number(NUMBERS, "--seq-len"), default=8192)
+    parser.add_argument("--global-batch", type=number(NUMBERS, "--global-batch"), required=True, help="sequences per optimizer step")
+    parser.add_argument("--mfu", type=number(NUMBERS, "--mfu"), default=0.4, help="share of peak FLOP/s the compute reaches")
+    parser.add_argument("--peak-tflops", type=number(NUMBERS, "--peak-tflops"), default=989.0, help="dense bf16 TFLOP/s of one GPU")
+    parser.add_argument("--headroom", type=number(NUMBERS, "--headroom"), default=0.9, help="usable share of GPU memory")
     parser.add_argument("--expert-comm", default="overlapped", choices=EXPERT_COMM_MODES,
                         help="expert all-to-all hidden behind the expert matmuls up to their time (DeepEP-like), or "
                         "wholly exposed (meshloom's own dispatch)")  # fmt: skip
@@ -54,19 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--float8", default="both", choices=("both", "on", "off"), help="whether to try Float8")
     parser.add_argument("--schedules", default=",".join(PLAN_SCHEDULES), help="pipeline schedules to try")
     parser.add_argument("--split-points", default="", help="pipeline.split_points every pipelined layout must use")
-    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--top", type=number(NUMBERS, "--top"), default=5)
     parser.add_argument("--output", type=Path, help="write the best layout as a TOML recipe here")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    opts = parser.parse_args(argv)
     try:
-        for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "top"):
-            if getattr(opts, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
-        if not 0 < opts.mfu <= 1 or not 0 < opts.headroom <= 1:
-            raise UserError("--mfu and --headroom must lie in (0, 1]")
-        for name in ("peak_tflops", "gpu_memory_gib"):
-            if not getattr(opts, name) > 0:  # also refuses nan
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(opts, name)}")
+        opts = parser.parse_args(argv)
         if opts.output is not None:
             check_output_file(opts.output, opts.overwrite)  # before the search
         space = SearchSpace(

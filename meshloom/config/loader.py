@@ -167,9 +167,11 @@ def _read_recipe(path: Path) -> Any:
             raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
     import yaml
 
+    from meshloom.config import yaml_recipe
+
     try:
-        # safe_load builds plain dicts, lists and scalars only: a recipe cannot construct Python objects.
-        data = yaml.safe_load(text)
+        # A SafeLoader builds plain dicts, lists and scalars only: a recipe cannot construct Python objects.
+        data = yaml_recipe.load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if data is None:  # an empty file or only comments, like an empty TOML file
@@ -195,6 +197,18 @@ def _yaml_float_strings(values: dict[str, Any], section: Any) -> dict[str, Any]:
     return out
 
 
+def _refuse_misread_yaml(config: Config, section_name: str, values: dict[str, Any], path: Path) -> None:
+    """A switch written yes/no/on/off, or a number written 1:30, in one line that says how to write it."""
+    from meshloom.config.yaml_recipe import misread_hint
+
+    section = getattr(config, section_name, None)
+    types = _field_types(type(section)) if dataclasses.is_dataclass(section) else {}
+    for name, value in values.items():
+        hint = misread_hint(value, types.get(name))
+        if hint:
+            raise ConfigError(f"{section_name}.{name} = {value!r} in {path}{hint}")
+
+
 def apply_file(config: Config, path: Path) -> None:
     """Set every `section.field` of a TOML or YAML recipe, with the same checks and messages for both."""
     data = _read_recipe(path)
@@ -207,6 +221,7 @@ def apply_file(config: Config, path: Path) -> None:
             )
         if is_yaml:
             values = _yaml_float_strings(values, getattr(config, str(section_name), None))
+            _refuse_misread_yaml(config, str(section_name), values, path)
         for name, value in values.items():
             _set(config, f"{section_name}.{name}", value, from_cli=False)
 

@@ -325,6 +325,20 @@ def file_vocab_size(path: Path) -> int | None:
     return max(ranks) + 1 + LLAMA3_NUM_SPECIAL if ranks else None
 
 
+def tokenizer_file_shares_bos_eos(spec: str) -> bool:
+    """Whether data.tokenizer is a tokenizer.json on this machine whose bos token is its eos token (e.g. GPT-2's
+    <|endoftext|>); False for the built-in BPE, a tiktoken file (distinct specials) or a file not here."""
+    path = Path(spec).expanduser()
+    if spec == "builtin" or path.suffix != ".json" or not path.is_file():
+        return False
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception:  # tokenizers raises a bare Exception on bad JSON; building the tokenizer names the problem
+        return False
+    bos = _find_id(tok, _BOS_NAMES)
+    return bos is not None and bos == _find_id(tok, _EOS_NAMES)
+
+
 def check_tokenizer_file_fits(data: DataConfig, model_vocab_size: int) -> None:
     """ConfigError when data.tokenizer is a file with more ids than the model's embedding. A file that is not on this
     machine is not read: a dry run plans a cluster's run whose paths may exist only there, and the run checks it."""

@@ -44,11 +44,32 @@ def get_model_args(name: str, flavor: str) -> Any:
     return copy.deepcopy(spec.flavors[flavor])
 
 
+def _kinds(spec: ModelSpec, args: Any) -> set[str]:
+    return {kind for layer in spec.layer_kinds(args) for kind in layer}
+
+
+def _refuse_lost_kinds(model: Any, flavour: Any) -> None:
+    """A depth (model.n_layers) that drops a kind of block the flavour has, e.g. a hybrid without its attention blocks."""
+    spec = get_model_spec(model.name)
+    wanted = _kinds(spec, flavour)
+    missing = wanted - _kinds(spec, dataclasses.replace(flavour, n_layers=model.n_layers))
+    if not missing:
+        return
+    depths = range(model.n_layers + 1, max(flavour.n_layers, model.n_layers) + 1)
+    enough = next((n for n in depths if wanted <= _kinds(spec, dataclasses.replace(flavour, n_layers=n))), flavour.n_layers)
+    raise ConfigError(
+        f"model.n_layers = {model.n_layers} leaves the {model.name} {model.flavor} model without a "
+        f"{' or '.join(sorted(missing))}; set model.n_layers >= {enough} "
+        f"(0 keeps the flavour's {flavour.n_layers})"
+    )
+
+
 def configured_model_args(model: Any) -> Any:
     """The args a `[model]` config section describes: its flavour's, with n_layers overridden when set."""
     import_plugin(model.plugin)
     args = get_model_args(model.name, model.flavor)
     if model.n_layers:
+        _refuse_lost_kinds(model, args)
         args = dataclasses.replace(args, n_layers=model.n_layers)
     if model.mtp_depth >= 0:
         if not hasattr(args, "mtp_depth"):

@@ -62,6 +62,14 @@ class ModelSpec:
     # The attention kernel the family's layers run: "sdpa", or "flex" (FlexAttention: windows, sinks), whose
     # constraints (meshloom/planning/features.py) apply to the family.
     attention_kernel: str = "sdpa"
+    # Why a model of the family's args cannot be written in its Hugging Face format ("" = it can): the declaration
+    # (meshloom/planning/features.py) refuses checkpoint.hf_export_interval for it.
+    hf_export_refusal: Callable[[Any], str] = lambda args: ""
+    # Each block's token-mixer kind (e.g. "full-attention block (every 4th block)"), as a noun phrase the refusal names
+    # with the rule that places it. A depth override (model.n_layers) that drops a kind the flavour has is refused
+    # (models/registry.py): a hybrid model without its full-attention blocks. (Fewer blocks than a flavour's dense
+    # prefix is a dense model by design, e.g. DeepSeek-V3's n_dense_layers = n_layers, so MLP kinds are not listed.)
+    layer_kinds: Callable[[Any], Sequence[tuple[str, ...]]] = lambda args: [()] * args.n_layers
     # Each block's token mixer, by block index: "sdpa", "flex" or "gated_delta" (linear attention). The kernel plan
     # (meshloom/planning/kernels.py) chooses a kernel per kind and the summary names the blocks; None = every block
     # runs attention_kernel.

@@ -166,20 +166,13 @@ def _check_microbatches(traits: ScheduleTraits, schedule: str, microbatches: int
         )
 
 
-def _fsdp_reshard(traits: ScheduleTraits, schedule: str, dims: ParallelDims, setting: str) -> str:
+def _fsdp_reshard(traits: ScheduleTraits, setting: str) -> str:
     """Zero-bubble schedules compute weight gradients in a pass of their own, after the input-gradient pass. If FSDP
     frees the gathered parameters between forward and that pass, torch 2.13 accumulates wrong gradients without
     any error (measured: loss off by 3e-4 to 9e-2 within 5 steps). Keeping them gathered from forward to the end
-    of backward gives exact parity, so these schedules use reshard "never", and an explicit "always" is refused."""
-    if not traits.zero_bubble:
-        return setting
-    if setting == "always" and (dims.fsdp_enabled or dims.dp_replicate > 1):
-        raise ConfigError(
-            f"pipeline.schedule={schedule} computes weight gradients after FSDP would reshard the parameters, which "
-            f"gives wrong gradients; set parallelism.fsdp_reshard_after_forward = default (kept gathered for these "
-            f"schedules) or never, or pick a schedule without zero bubble (1F1B, Interleaved1F1B, ...)"
-        )
-    return "never"
+    of backward gives exact parity, so these schedules use reshard "never"; an explicit "always" under FSDP is a pair
+    the declaration refuses (meshloom/planning/features.py)."""
+    return setting if not traits.zero_bubble else "never"
 
 
 def plan_pipeline(config: Config, dims: ParallelDims, n_layers: int) -> PipelinePlan:
@@ -198,7 +191,7 @@ def plan_pipeline(config: Config, dims: ParallelDims, n_layers: int) -> Pipeline
     local_batch_size = config.training.local_batch_size
     microbatches = pipe.microbatches or local_batch_size
     _check_microbatches(traits, pipe.schedule, microbatches, local_batch_size, dims.pp, len(stage_layers))
-    reshard = _fsdp_reshard(traits, pipe.schedule, dims, config.parallelism.fsdp_reshard_after_forward)
+    reshard = _fsdp_reshard(traits, config.parallelism.fsdp_reshard_after_forward)
     return PipelinePlan(pipe.schedule, dims.pp, stages_per_rank, microbatches, tuple(stage_layers), reshard)
 
 

@@ -8,20 +8,15 @@ import importlib.util
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.shape import ShapeModel
-from meshloom.models.spec import ModelSpec
 from meshloom.parallel.document_balance import planned_layout
 from meshloom.parallel.dims import ParallelDims
 
 
 def check_generic_layout(shape: ShapeModel, dims: ParallelDims) -> None:
-    """Whole blocks per pipeline stage, no tied output across stages, experts split evenly."""
+    """Whole blocks per pipeline stage, experts split evenly (no tied output across stages is a pair of the
+    declaration, meshloom/planning/features.py)."""
     if dims.pp > shape.n_layers:
         raise ConfigError(f"parallelism.pp={dims.pp} exceeds the model's {shape.n_layers} layers; lower pp")
-    if dims.pp > 1 and shape.tie_embeddings:
-        raise ConfigError(
-            "this model ties its output projection to the embedding, but pipeline parallelism puts them on different "
-            "stages; use an untied model flavour or set parallelism.pp = 1"
-        )
     if dims.ep > 1 and shape.n_experts % dims.ep:
         choices = [d for d in range(1, shape.n_experts + 1) if shape.n_experts % d == 0]
         raise ConfigError(
@@ -47,18 +42,6 @@ def grad_accum_steps(config: Config, dp: int) -> int:
             f"(x replica groups) = {tc.local_batch_size} x {dp}; change one of them"
         )
     return global_batch // per_microbatch
-
-
-def check_qk_clip_config(config: Config, spec: ModelSpec, dims: ParallelDims) -> None:
-    tau = config.optimizer.qk_clip_threshold
-    if tau <= 0:
-        return
-    if spec.qk_clip is None:
-        reason = spec.qk_clip_refusal or "its attention does not factor per head"
-        raise ConfigError(
-            f"optimizer.qk_clip_threshold = {tau} rescales each attention head's query and key projections, but the "
-            f"{spec.name} model family does not offer it ({reason}); set optimizer.qk_clip_threshold = 0"
-        )
 
 
 # How a missing torchft is installed.

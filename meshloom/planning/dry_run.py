@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from meshloom.cli.numbers import parse
+from meshloom.config.ranges import Range
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
 from meshloom.data.tokenizer import check_builtin_vocab_fits
@@ -127,6 +129,10 @@ def _build_rank0(plan: RunPlan) -> list[torch.nn.Module]:
     return parts
 
 
+# The range of each numeric option (meshloom/cli/numbers.py): beyond any cluster, a plan of 2**20 ranks is quick.
+NUMBERS = {"--world-size": (int, Range(1, 2**20, say_positive=True, note="ranks of the run to simulate"))}
+
+
 def split_dry_run_args(argv: list[str]) -> tuple[int, list[str]]:
     """Take `--dry-run` and `--world-size N` (or `--world-size=N`) out of a `meshloom train` command line."""
     rest, world_size, i = [], None, 0
@@ -137,9 +143,10 @@ def split_dry_run_args(argv: list[str]) -> tuple[int, list[str]]:
         elif arg == "--world-size" or arg.startswith("--world-size="):
             value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 0 if "=" in arg else 1
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--world-size needs a positive number of ranks, got {value!r}; e.g. --world-size 512")
-            world_size = int(value)
+            try:
+                world_size = parse("--world-size", value, int, NUMBERS["--world-size"][1])
+            except UserError as err:
+                raise ConfigError(f"{err}; e.g. --world-size 512") from None
         else:
             rest.append(arg)
         i += 1

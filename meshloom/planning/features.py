@@ -12,19 +12,12 @@ setting_scopes.py (where each setting acts).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from meshloom.config.errors import ConfigError
-from meshloom.config.schema import Config
-from meshloom.parallel.dims import ParallelDims
-
-
-def installed_torch_release() -> tuple[int, int]:
-    """(major, minor) of the torch this process imported, e.g. (2, 13) for "2.13.0+cpu"."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+from meshloom.parallel.document_balance import planned_layout
+from meshloom.parallel.pipeline import SCHEDULES
+from meshloom.planning.facts import Condition, Facts
 
 
 # The first torch release whose AOTAutograd fails on a compiled block that is checkpointed whole under tensor parallel
@@ -33,33 +26,6 @@ def installed_torch_release() -> tuple[int, int]:
 WHOLE_BLOCK_AC_TP_FAILS_FROM = (2, 12)
 
 
-@dataclass(frozen=True)
-class Facts:
-    """What the declaration's conditions may look at: the settings, the degrees and the model's kind."""
-
-    config: Config
-    dims: ParallelDims
-    n_experts: int
-    attention_kernel: str = "sdpa"
-    """The family's attention kernel (ModelSpec.attention_kernel)."""
-
-    hf_balancing_bias: bool = True
-    """Whether the family's Hugging Face format holds the MoE balancing bias (models/hf_adapter.py)."""
-
-    mixers: tuple[str, ...] = ()
-    """Each block's token mixer (ModelSpec.block_mixers): "sdpa", "flex" or "gated_delta"."""
-
-    torch_release: tuple[int, int] = field(default_factory=lambda: installed_torch_release())
-    """(major, minor) of the installed torch, for constraints that hold on some releases only."""
-
-    @property
-    def on_cpu(self) -> bool:
-        """Whether the run trains on CPU (training.device, "auto" on a machine without CUDA)."""
-        device = self.config.training.device
-        return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-
-
-Condition = Callable[[Facts], bool]
 
 
 @dataclass(frozen=True)
@@ -94,12 +60,16 @@ class Conflict:
     when_witness: tuple[str, ...] = ()
     """Command-line settings that make `when` true in the parity harness's tiny run (the refusal tests add them)."""
 
+    detail: Callable[[Facts], str] = lambda facts: ""
+    """The run's own numbers or the family's own reason, appended to `reason` when the run's facts are known."""
+
     def line(self, facts: Facts | None = None) -> str:
         """The refusal; with the run's facts, a feature that a model has by its shape names the model."""
         model = f"{facts.config.model.name} {facts.config.model.flavor}" if facts else "the model.flavor"
         a, b = (FEATURES[name].setting.format(model=model) for name in (self.first, self.second))
         ta, tb = FEATURES[self.first].title, FEATURES[self.second].title
-        return f"{a} ({ta}) with {b} ({tb}): {self.reason}; {self.fix}"
+        detail = self.detail(facts) if facts else ""
+        return f"{a} ({ta}) with {b} ({tb}): {self.reason}{detail}; {self.fix}"
 
 
 def _ft(kind: str) -> Condition:
@@ -195,12 +165,43 @@ _DEFINED = [
         "rollback", "rollback on NaN", "training.nonfinite = 'rollback'", lambda f: f.config.training.nonfinite == "rollback",
         ("--training.nonfinite", "rollback", "--checkpoint.enable", "true"),
     ),
+    # What a model is by its shape or its files, with constraints of their own.
+    Feature("no_qk_clip", "attention QK-clip cannot rescale per head", "{model}", lambda f: bool(f.qk_clip_refusal), ("--model.name", "qwen3")),
+    Feature("tied_embeddings", "tied embeddings", "{model}", lambda f: f.tie_embeddings, ("--model.flavor", "1B", "--model.n_layers", "2")),
+    Feature(
+        "no_hf_shape", "a model its Hugging Face format cannot hold", "{model}", lambda f: bool(f.hf_export_refusal),
+        ("--model.name", "deepseek_v3", "--model.flavor", "16B", "--moe.bias_update_rate", "0"),
+    ),
+    Feature("mtp", "multi-token prediction", "{model}", lambda f: f.mtp_depth > 0, ("--model.name", "deepseek_v3", "--moe.bias_update_rate", "0")),
+    Feature(
+        "zero_bubble", "a zero-bubble pipeline schedule", "pipeline.schedule = 'InterleavedZeroBubble', 'ZBVZeroBubble' or 'DualPipeV'",
+        lambda f: f.dims.pp > 1 and SCHEDULES[f.config.pipeline.schedule].zero_bubble,
+        ("--parallelism.pp", "2", "--pipeline.schedule", "ZBVZeroBubble", "--model.n_layers", "4"),
+    ),
+    Feature(
+        "fsdp_reshard_always", "FSDP resharding after forward", "parallelism.fsdp_reshard_after_forward = 'always'",
+        lambda f: f.config.parallelism.fsdp_reshard_after_forward == "always" and (f.dims.fsdp_enabled or f.dims.dp_replicate > 1),
+        ("--parallelism.dp_shard", "2", "--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward", "always"),
+    ),
+    Feature(
+        "shared_bos_eos", "a tokenizer whose bos is its eos", "data.tokenizer", lambda f: f.shared_bos_eos,
+        ("--data.tokenizer", "{tmp}/shared_bos_eos.json"),
+    ),
+    Feature(
+        "no_checkpoints", "no checkpoints", "checkpoint.enable = false", lambda f: not f.config.checkpoint.enable,
+        ("--checkpoint.enable", "false"),
+    ),
     Feature(
         "elastic_resize", "elastic resize", "parallelism.resize", lambda f: f.config.parallelism.resize != "none",
         ("--parallelism.resize", "dp_shard"),
     ),
 ]
 FEATURES: dict[str, Feature] = {feature.name: feature for feature in _DEFINED}
+
+def _cp_chunk(f: Facts) -> int:
+    """Tokens in one context-parallel chunk of a sequence."""
+    return f.config.training.seq_len // planned_layout(f.dims.cp, f.config.parallelism).num_chunks
+
 
 _REPLICA_KINDS = ("replica_groups", "diloco", "local_sgd")
 
@@ -255,6 +256,47 @@ CONFLICTS: tuple[Conflict, ...] = (
             "choose training.nonfinite = 'halt' or 'skip_step'",
         )
         for kind in _REPLICA_KINDS
+    ),
+    Conflict(
+        "qk_clip", "no_qk_clip",
+        "QK-clip rescales each attention head's query and key projections, and this model family does not offer it",
+        "set optimizer.qk_clip_threshold = 0", detail=lambda f: f" ({f.qk_clip_refusal})",
+    ),
+    Conflict(
+        "pp", "tied_embeddings",
+        "this model ties its output projection to the embedding, but pipeline parallelism puts them on different stages",
+        "use an untied model flavour or set parallelism.pp = 1",
+    ),
+    Conflict(
+        "hf_export", "no_hf_shape",
+        "the exports would not hold this model", "set checkpoint.hf_export_interval = 0 or use a flavour the format holds",
+        detail=lambda f: f" ({f.hf_export_refusal})",
+    ),
+    Conflict(
+        "mtp", "cp",
+        "multi-token prediction reads labels past a context-parallel chunk's end from the next chunk only, so a chunk "
+        "must hold at least as many tokens as it looks ahead",
+        "use a longer training.seq_len or a smaller parallelism.cp",
+        when=lambda f: f.mtp_depth > _cp_chunk(f), when_witness=("--training.seq_len", "4"),
+        detail=lambda f: f" (it looks {f.mtp_depth} tokens ahead; training.seq_len = {f.config.training.seq_len} makes chunks of {_cp_chunk(f)})",
+    ),
+    Conflict(
+        "zero_bubble", "fsdp_reshard_always",
+        "these schedules compute weight gradients after FSDP would reshard the parameters, which gives wrong gradients "
+        "in torch 2.13 (loss off by 3e-4 to 9e-2 within 5 steps)",
+        "set parallelism.fsdp_reshard_after_forward = default (kept gathered for these schedules) or never, or pick a "
+        "schedule without zero bubble (1F1B, Interleaved1F1B, ...)",
+    ),
+    Conflict(
+        "document_mask", "shared_bos_eos",
+        "the built-in dataset finds where documents start at each bos, and this tokenizer uses one id for bos and eos",
+        "use data.dataset = 'shards' (its index stores the starts) or a tokenizer with distinct bos and eos",
+        when=lambda f: f.config.data.dataset == "builtin",
+    ),
+    Conflict(
+        "rollback", "no_checkpoints",
+        "a rollback reloads the latest checkpoint, and this run saves none",
+        "set --checkpoint.enable true (with a checkpoint.interval) or choose training.nonfinite = 'halt' or 'skip_step'",
     ),
     Conflict(
         "elastic_resize", "streaming",

@@ -17,6 +17,8 @@ skipped unseen. Otherwise the fastest of its variants (AC mode x optimizer x Flo
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,7 +78,9 @@ class _Search:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order, in O(sqrt(n)) (a batch of 10**9 sequences has a few hundred)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def base_config(model: str, flavor: str, seq_len: int, split_points: str = "") -> Config:
@@ -174,6 +178,21 @@ def _build(base: Config, layout: Layout, gpus: int, search: _Search) -> Layout |
     return layout_of(run)
 
 
+# The most layouts (degrees x schedule x microbatching) one search weighs: each is planned and estimated in a few
+# milliseconds, so this bounds a search to a minute or two. DeepSeek-V3 671B on 1024 GPUs has about 40,000.
+MAX_SEARCH_LAYOUTS = 50_000
+
+
+def _refuse_long_search(structures: Iterator[Layout], gpus: int) -> None:
+    """A UserError before a search that would not finish quickly (counting stops past the limit, in about a second)."""
+    if sum(1 for _ in itertools.islice(structures, MAX_SEARCH_LAYOUTS + 1)) > MAX_SEARCH_LAYOUTS:
+        raise UserError(
+            f"the search would weigh more than {MAX_SEARCH_LAYOUTS:,} layouts of {gpus} GPUs (degrees x pipeline "
+            "schedules x microbatch sizes), which takes too long; narrow it with --schedules, or use a --gpus or "
+            "--global-batch with fewer divisors"
+        )
+
+
 def search_layouts(
     model: str, flavor: str, cluster: Cluster, seq_len: int, global_batch: int, precision: Precision, space: SearchSpace
 ) -> tuple[list[Candidate], _Search]:
@@ -182,6 +201,7 @@ def search_layouts(
     base = base_config(model, flavor, seq_len, space.split_points)
     points = parse_split_points(space.split_points, args.n_layers)
     counts = tuple(b - a for a, b in zip([0] + points, points + [args.n_layers])) if points else ()
+    _refuse_long_search(_structures(shape, cluster, seq_len, global_batch, space, counts), cluster.gpus)
     search, candidates = _Search(), []
     frugal = dict(ac="full" if "full" in space.ac_modes else space.ac_modes[0], optimizer=min(space.optimizers, key=("Muon", "AdamW").index))
     too_big: set[tuple] = set()

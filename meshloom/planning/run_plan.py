@@ -18,7 +18,7 @@ import torch
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.data.stages import check_mixture_settings
-from meshloom.data.tokenizer import check_tokenizer_file_fits
+from meshloom.data.tokenizer import check_tokenizer_file_fits, tokenizer_file_shares_bos_eos
 from meshloom.inference.sampling import check_sampling_settings
 from meshloom.models.hf_adapter import UnexportedBalancingBias
 from meshloom.models.registry import configured_model_args, get_model_spec
@@ -35,7 +35,6 @@ from meshloom.observe.profiler import check_profiling_config
 from meshloom.planning.checks import (
     check_context_parallel,
     check_generic_layout,
-    check_qk_clip_config,
     check_torchft_installed,
     grad_accum_steps,
     replica_groups,
@@ -89,8 +88,6 @@ class RunPlan:
         accumulation = grad_accum_steps(config, dims.dp * replica_groups(config))
         check_activation_checkpoint_config(config.activation_checkpoint)
         check_profiling_config(config.profiling)
-        check_qk_clip_config(config, spec, dims)
-        _check_hf_export(config, spec)
         check_sampling_settings(config.validation)
         check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len)
         check_tokenizer_file_fits(config.data, args.vocab_size)
@@ -137,17 +134,19 @@ class RunPlan:
         return self.config.parallelism.fsdp_reshard_after_forward
 
 
-def _check_hf_export(config: Config, spec: ModelSpec) -> None:
-    interval = config.checkpoint.hf_export_interval
-    if interval < 0:
-        raise ConfigError(f"checkpoint.hf_export_interval must be >= 0 (0 = no exports), got {interval}")
-    if interval and spec.hf is None:
-        raise ConfigError(f"checkpoint.hf_export_interval: the {spec.name} family has no Hugging Face format; set it to 0")
-
-
-def run_facts(config: Config, dims: ParallelDims, spec: ModelSpec, shape: ShapeModel, args: Any) -> Facts:
-    """What the feature declaration reads of a run: its settings, degrees and the model family's kind."""
+def run_facts(config: Config, dims: ParallelDims, spec: ModelSpec, shape: ShapeModel, args: Any = None) -> Facts:
+    """What the feature declaration reads of a run: its settings, degrees, the model family's kind and the model's
+    shape (`args`: the model's, when known), and a tokenizer file found on this machine."""
+    qk_clip_refusal = "" if spec.qk_clip is not None else spec.qk_clip_refusal or "its attention does not factor per head"
+    if spec.hf is None:
+        hf_export_refusal = f"the {spec.name} family has no Hugging Face format"
+    else:
+        hf_export_refusal = spec.hf_export_refusal(args) if args is not None else ""
+    shared_bos_eos = tokenizer_file_shares_bos_eos(config.data.tokenizer)
     return Facts(
         config, dims, shape.n_experts, spec.attention_kernel,
-        hf_balancing_bias=not isinstance(spec.hf, UnexportedBalancingBias), mixers=tuple(spec.block_mixers(args)),
+        hf_balancing_bias=not isinstance(spec.hf, UnexportedBalancingBias), tie_embeddings=shape.tie_embeddings,
+        qk_clip_refusal=qk_clip_refusal, hf_export_refusal=hf_export_refusal,
+        mtp_depth=getattr(args, "mtp_depth", 0) or 0, shared_bos_eos=shared_bos_eos,
+        mixers=tuple(spec.block_mixers(args)) if args is not None else (),
     )

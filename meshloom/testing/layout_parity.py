@@ -32,10 +32,12 @@ BF16_TOLERANCE = 5e-3
 TRAINING_KEYS = ("mixed_precision",)
 
 
-def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True) -> list[str]:
+def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True, reads_corpus: bool = True) -> list[str]:
     """A tiny, fast, deterministic run; the data cache is shared so only the reference builds it. The built-in
-    tokenizer's vocabulary is set only for runs that use it (a setting that cannot act is refused)."""
+    tokenizer's vocabulary is set only for runs that use it, and the corpus's size only for runs that read the corpus
+    (the built-in dataset or tokenizer): a setting that cannot act is refused."""
     vocab = ["--data.vocab_size", "512"] if builtin_tokenizer else []
+    corpus = ["--data.max_bytes", "400000", "--data.cache_dir", str(workdir / "cache")] if reads_corpus or builtin_tokenizer else []
     return [
         "--model.flavor", "tiny",
         "--training.steps", str(steps),
@@ -44,9 +46,8 @@ def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True) ->
         "--training.seed", "7",
         "--optimizer.lr", "1e-2",
         "--lr_scheduler.warmup_steps", "2",
-        "--data.max_bytes", "400000",
+        *corpus,
         *vocab,
-        "--data.cache_dir", str(workdir / "cache"),
         "--validation.enable", "false",
         "--metrics.tensorboard", "false",
         "--metrics.progress_bar", "false",
@@ -56,7 +57,9 @@ def base_overrides(steps: int, workdir: Path, builtin_tokenizer: bool = True) ->
 
 def run_args(steps: int, workdir: Path, settings: list[str]) -> list[str]:
     """base_overrides followed by `settings`, with the built-in tokenizer's vocabulary only where it is used."""
-    return base_overrides(steps, workdir, builtin_tokenizer="--data.tokenizer" not in settings) + settings
+    file_tokenizer = "--data.tokenizer" in settings and settings[settings.index("--data.tokenizer") + 1] != "builtin"
+    dataset = settings[settings.index("--data.dataset") + 1] if "--data.dataset" in settings else "builtin"
+    return base_overrides(steps, workdir, not file_tokenizer, reads_corpus=dataset == "builtin" or not file_tokenizer) + settings
 
 
 @dataclass

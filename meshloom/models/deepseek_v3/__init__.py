@@ -32,6 +32,10 @@ SPEC = ModelSpec(
     adamw_only=lambda name: name.startswith(("tok_embeddings.", "output.")) or ".moe.router." in name,
     aux_losses=lambda args: {MTP_LOSS: args.mtp_loss_weight} if args.mtp_depth else {},
     qk_clip=qk_clip_targets,
+    hf_export_refusal=lambda args: (
+        f"Hugging Face DeepseekV3ForCausalLM always routes by sigmoid scores, and this model routes by {args.score_func}"
+        if args.has_moe and args.score_func != "sigmoid" else ""
+    ),
 )
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "SPEC", "DeepSeekV3", "DeepSeekV3Args"]

@@ -35,7 +35,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.models.common.moe import MoE
 from meshloom.models.common.tensor_plans import dense_mlp_plan
@@ -44,35 +43,20 @@ from meshloom.models.deepseek_v3.model import DeepSeekBlock, DeepSeekV3
 from meshloom.parallel.apply import BlockPlan, ParallelParts
 from meshloom.parallel.context import SequenceLayout
 from meshloom.parallel.dims import ParallelDims, check_divisible
-from meshloom.parallel.document_balance import planned_layout
 from meshloom.parallel.moe_tensor import moe_block_plan
 from meshloom.parallel.sequence_shift import ShardedSequenceShift
 
 
 def check_layout(args: DeepSeekV3Args, config: Config, dims: ParallelDims) -> None:
-    """Every tensor-parallel rank gets whole heads, vocabulary rows and MLP rows (dense and shared experts);
-    multi-token prediction's look-ahead fits a context-parallel chunk; exports need sigmoid routing."""
+    """Every tensor-parallel rank gets whole heads, vocabulary rows and MLP rows (dense and shared experts). Multi-token
+    prediction under context parallel and exports of softmax routing are pairs of the declaration
+    (meshloom/planning/features.py)."""
     sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
     if args.n_dense_layers:
         sizes["inter_dim"] = args.inter_dim
     if args.has_moe and args.n_shared_experts:
         sizes["moe_inter_dim x n_shared_experts"] = args.moe_inter_dim * args.n_shared_experts
     check_divisible("tp", dims.tp, sizes)
-    if dims.cp > 1:
-        # Multi-token prediction reads labels up to mtp_depth places past a chunk's end, from the next chunk only.
-        seq_len, layout = config.training.seq_len, planned_layout(dims.cp, config.parallelism)
-        chunk = seq_len // layout.num_chunks
-        if args.mtp_depth > chunk:
-            raise ConfigError(
-                f"multi-token prediction looks {args.mtp_depth} tokens ahead, but context parallel cuts training.seq_len="
-                f"{seq_len} into chunks of {chunk}; use sequences of at least {args.mtp_depth * layout.num_chunks} tokens "
-                "or a smaller parallelism.cp"
-            )
-    if args.has_moe and config.checkpoint.hf_export_interval and args.score_func != "sigmoid":
-        raise ConfigError(
-            f"checkpoint.hf_export_interval with a {args.score_func}-routed model: Hugging Face DeepseekV3ForCausalLM "
-            "always routes by sigmoid scores; set checkpoint.hf_export_interval = 0 or use a sigmoid-routed flavour"
-        )
 
 
 class ReplicateParallel(ParallelStyle):

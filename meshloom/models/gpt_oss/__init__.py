@@ -19,6 +19,7 @@ SPEC = ModelSpec(
     adamw_only=lambda name: name.startswith(("tok_embeddings.", "output.")) or ".moe.router." in name
     or name.endswith((".moe.experts.b13", ".moe.experts.b2")),
     attention_kernel="flex",
+    layer_kinds=GptOssArgs.layer_kinds,
     qk_clip_refusal="its q and k projections carry biases, which a per-head rescale of the weight rows leaves unscaled, "
     "and each head's softmax also holds a learned sink logit that no projection scales",
 )

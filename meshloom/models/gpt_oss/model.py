@@ -87,6 +87,13 @@ class GptOssArgs:
         """Each block's attention kind: layer_types, or the default alternation."""
         return self.layer_types or tuple(SLIDING if i % 2 == 0 else FULL for i in range(self.n_layers))
 
+    def layer_kinds(self) -> list[tuple[str, ...]]:
+        """Each block's attention, as the depth check names it (ModelSpec.layer_kinds)."""
+        names = {SLIDING: "sliding-window attention block", FULL: "full-attention block"}
+        if not self.layer_types:
+            names = {SLIDING: "sliding-window attention block (every 2nd block from the first)", FULL: "full-attention block (every 2nd block)"}
+        return [(names[kind],) for kind in self.block_kinds]
+
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.block_kinds[layer] == SLIDING else None
 

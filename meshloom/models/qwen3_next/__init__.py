@@ -19,6 +19,7 @@ SPEC = ModelSpec(
     # The convolution filters are [channels, kernel]: one short filter per channel, not a matrix to orthogonalise.
     adamw_only=lambda name: name.startswith(("tok_embeddings.", "output.")) or ".moe.router." in name
     or ".moe.shared_gate." in name or name.endswith(("_conv", ".A_log", ".dt_bias")),
+    layer_kinds=Qwen3NextArgs.layer_kinds,
     qk_clip_refusal="three of every four blocks are Gated DeltaNet, which has no attention logits to clip, and the "
     "full-attention blocks RMS-normalise each head's q and k after the projections, which undoes a per-head rescale",
     mixers=lambda args: ["gated_delta" if args.is_linear_layer(i) else "sdpa" for i in range(args.n_layers)],

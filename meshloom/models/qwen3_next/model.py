@@ -106,6 +106,11 @@ class Qwen3NextArgs:
     def has_dense_layers(self) -> bool:
         return any(not self.is_moe_layer(i) for i in range(self.n_layers))
 
+    def layer_kinds(self) -> list[tuple[str, ...]]:
+        """Each block's token mixer, as the depth check names it (ModelSpec.layer_kinds)."""
+        full = "full-attention block" if self.layer_types else f"full-attention block (full attention sits on every {self.full_attention_interval}th block)"
+        return [(full if self.layer_type(i) == FULL else "Gated DeltaNet block",) for i in range(self.n_layers)]
+
 
 class Qwen3NextBlock(nn.Module):
     """Pre-norm residual block: Gated DeltaNet or gated attention (`attention`), then experts (`moe`) or a SwiGLU
