@@ -98,7 +98,8 @@ class Checkpointer:
         self._precheck(complete)
         if c.enable:
             self._refuse_foreign_folders(complete)
-        refuse_foreign_exports(config, run_dir, complete[-1].step if c.resume and complete else 0)
+        continued = folders.lineage_of(complete[-1].path) if c.resume and complete else None
+        refuse_foreign_exports(config, run_dir, complete[-1].step if c.resume and complete else 0, continued)
         # The run lineage whose step folders this run may replace and prune: a fresh one, or on resume the one of
         # the checkpoint it continues (set when that is loaded).
         self.lineage = uuid.uuid4().hex

@@ -106,7 +106,7 @@ class Trainer:
         self._build_observers()
         self.replicas.bind(ReplicaState(self.checkpointer.parts), self.logger)
         self.sampler = build_prompt_sampler(self.plan, self.sample_prompts, self.data.tokenizer, self.model_parts, self.device, self.logger)
-        self.hf_exporter = HFExporter(self.plan, self.run_dir, self.model_parts, self.data.tokenizer)
+        self.hf_exporter = HFExporter(self.plan, self.run_dir, self.model_parts, self.data.tokenizer, lambda: self.checkpointer.lineage)
 
     @property
     def step(self) -> int:
