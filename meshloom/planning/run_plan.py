@@ -89,7 +89,7 @@ class RunPlan:
         check_qk_clip_config(config, spec, dims)
         _check_hf_export(config, spec)
         check_sampling_settings(config.validation)
-        check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len)
+        check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len, tc.steps)
         check_tokenizer_file_fits(config.data, args.vocab_size)
         plan = cls(config, world_size, spec, args, dims, accumulation, pipeline)
         check_device_settings(plan, device)
