@@ -556,3 +556,27 @@ def test_a_save_killed_while_dcp_writes_is_never_taken_as_a_checkpoint(tmp_path:
     complete, partial = folders.list_checkpoints(step.parent)
     assert complete == [] and partial == [step]
     assert not (step / ".metadata").exists()
+
+
+def test_lighthouse_blames_the_option_at_fault(capsys) -> None:
+    """`meshloom lighthouse`: an address this machine does not have is --bind's fault, a port in use is --port's,
+    each one line before any server starts."""
+    import socket
+
+    from meshloom.cli.lighthouse import main as lighthouse
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        cases = [
+            (["--bind", "192.0.2.1", "--port", "0"], "--bind 192.0.2.1 is not an address of this machine (Cannot assign requested address)"),
+            (["--bind", "no-such-host.invalid"], "--bind 'no-such-host.invalid' is not an address of this machine nor a host name that resolves"),
+            (["--bind", "127.0.0.1", "--port", str(busy)], f"--port {busy} is already in use on 127.0.0.1; choose another --port"),
+            (["--port", "65536"], "--port must be in 0..65535 (0 picks a free one), got 65536"),
+            (["--min-replicas", "0"], "--min-replicas must be >= 1, got 0"),
+            (["--join-timeout-ms", "-1"], "--join-timeout-ms must be >= 0, got -1"),
+        ]  # fmt: skip
+        for argv, fragment in cases:
+            line = one_line_error(lighthouse(argv), capsys.readouterr().err, fragment)
+            assert ("--port" in line) == ("--port" in fragment), line  # the address's fault never names --port
