@@ -29,6 +29,7 @@ from meshloom.checkpoint import folders
 from meshloom.checkpoint.folders import CheckpointInfo
 from meshloom.checkpoint.hf import HFFolder, load_into_model_parts
 from meshloom.checkpoint.hf_export import refuse_foreign_exports
+from meshloom.checkpoint.resume_settings import refuse_what_a_resume_cannot_honour
 from meshloom.checkpoint.integrity import checkpoint_files, compute_checksums
 from meshloom.checkpoint.interrupts import interrupts_deferred
 from meshloom.checkpoint.offline import write_side_files
@@ -141,6 +142,7 @@ class Checkpointer:
         if target is None:
             return
         if self.settings.resume:
+            refuse_what_a_resume_cannot_honour(self.config, target.path)  # before the checkpoint's shapes are compared
             if complete[0].step >= self.config.training.steps:  # whichever one loads: the same verdict, early
                 self._check_steps_left(target.path, target.step)
             self._check_data_degree(target)
