@@ -268,7 +268,7 @@ def test_unused_ranks_hint_is_right_and_works(tmp_path: Path, data_cache: Path, 
 def test_resume_with_another_optimizer_says_so(run_dir: Path, capsys) -> None:
     args = [*tiny(run_dir.parent / "cache"), "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(run_dir)]
     code = cli(["train", *args, "--training.steps", "4", "--checkpoint.resume", "true", "--optimizer.name", "Muon"])
-    one_line_error(code, capsys.readouterr().err, "holds AdamW optimizer state, but optimizer.name = 'Muon'; resume with --optimizer.name AdamW")
+    one_line_error(code, capsys.readouterr().err, "checkpoint.resume: optimizer.name = 'Muon' differs from 'AdamW', the value of the checkpoint")
 
 
 def test_mtp_depth_is_a_setting(tmp_path: Path) -> None:
