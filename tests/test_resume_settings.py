@@ -159,3 +159,14 @@ def test_a_new_schedule_sets_the_first_resumed_step_s_rate(straight, changes: tu
     expected = [LR * lr_factor(step - 1, config.training.steps, config.lr_scheduler) for step in (3, 4)]
     assert [rows[3]["lr"], rows[4]["lr"]] == expected
     assert expected != [_rows(root / "straight")[s]["lr"] for s in (3, 4)]
+
+
+def test_a_setting_honoured_as_built_acts_from_the_first_resumed_step(straight) -> None:
+    """training.max_norm (HONOURED: read when the run is built): a far smaller clip bounds step 3's update, so step 4's
+    loss moves, while step 3's loss, gradient norm and rate are the straight run's."""
+    assert kind_of("training.max_norm")[0] == "honoured"
+    root, _ = straight
+    reference = _rows(root / "straight")
+    _, rows = _resume(straight, "max-norm", "--training.max_norm", "1e-6")
+    assert [rows[3][k] for k in ("loss", "grad_norm", "lr")] == [reference[3][k] for k in ("loss", "grad_norm", "lr")]
+    assert abs(rows[4]["loss"] - reference[4]["loss"]) > 1e-4

@@ -51,9 +51,9 @@ REFUSED: dict[str, str] = {
 }
 
 APPLIED: dict[str, str] = {
-    **{f"optimizer.{name}": "set in every parameter group after the optimizer state is loaded" for name in (
-        "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "muon_lr", "muon_momentum", "muon_nesterov",
-        "muon_ns_steps", "muon_ns_dtype", "muon_adjust_lr", "qk_clip_threshold")},  # fmt: skip
+    **{f"optimizer.{name}": "its parameter-group values are set from the settings again after the optimizer state loads"
+       for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "muon_lr", "muon_momentum",
+                    "muon_nesterov", "muon_ns_steps", "muon_ns_dtype", "muon_adjust_lr")},  # fmt: skip
     **{f"lr_scheduler.{name}": "the schedule is rebuilt from the settings; the resumed step's rate is set from it"
        for name in ("warmup_steps", "decay_type", "decay_ratio", "min_lr_ratio")},  # fmt: skip
     "training.steps": "the schedule's length: the resumed step's rate is set from the new schedule",
@@ -62,6 +62,7 @@ APPLIED: dict[str, str] = {
 _BUILT = "read anew when the run is built, as in a fresh run"
 HONOURED: dict[str, str] = {
     "job.*": "the run folder and its description",
+    "optimizer.qk_clip_threshold": _BUILT + " (QK-clip reads it each step; it is no optimizer state)",
     "training.*": _BUILT + " (the batch size: tokens seen are carried, not derived from the step)",
     "data.*": _BUILT,
     "data.shards": "a changed mixture is refused on load unless data.allow_mixture_change",
