@@ -539,7 +539,8 @@ def test_real_ctrl_c_during_an_async_save_finishes_it(tmp_path: Path, data_cache
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     complete, _ = folders.list_checkpoints(step.parent)
-    assert [c.step for c in complete] == [2], err[-2000:]
+    # Step 2's save, torn at the signal, is whole now; training may have gone on to step 4's save meanwhile.
+    assert complete and complete[0].step == 2, err[-2000:]
     for checkpoint in complete:
         verify(checkpoint)  # every file's checksum matches: each save is whole
     lines = [line for line in err.splitlines() if line.startswith("meshloom: interrupted")]
