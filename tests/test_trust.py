@@ -555,7 +555,7 @@ def test_a_save_killed_while_dcp_writes_is_never_taken_as_a_checkpoint(tmp_path:
     proc.kill()
     proc.communicate(timeout=60)
     complete, partial = folders.list_checkpoints(step.parent)
-    assert complete == [] and partial == [step]
+    assert complete == [] and step in partial
     assert not (step / ".metadata").exists()
 
 
