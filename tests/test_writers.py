@@ -4,7 +4,7 @@ WRITERS, call by call, each with its reason; a new writer fails this test until 
 beside a listed call in the same function.
 
 The walk (writer_walk.py) covers every way to write that meshloom or its libraries offer: open() and Path
-methods, torch/numpy/safetensors savers, DCP, os and shutil, links, temporary files, logging file handlers,
+methods, torch/numpy/safetensors savers, DCP, os and shutil, new folders, links, temporary files, logging file handlers,
 the profiler's trace and memory-timeline exports, CUDA memory snapshots, TensorBoard, wandb, Ray's storage and
 transformers' save_pretrained. Names are resolved through imports, relative ones included. A call inside a
 `with staged_file(...) as tmp:` block passes only when it writes into `tmp`."""
@@ -97,6 +97,22 @@ WRITERS: dict[str, str] = {
     'meshloom/testing/resume_parity.py:worker out_file.write_text(json.dumps(results))': "a worker's result file in the harness's own work folder",
     'meshloom/train/nonfinite.py:write_dump path.write_text(json.dumps(dump, indent=1))': "<run>/diagnostics/nonfinite_stepN.json: a dump of the failing step in the run's own folder",
     "meshloom/train/run_folder.py:write_run_config open(path, 'x', encoding='utf-8')": "the run's config record, created exclusively ('x'): never over an existing file",
+    'meshloom/checkpoint/folders.py:claim path.mkdir(parents=True, exist_ok=True)': 'the step folder this run claims, before its save.json',
+    'meshloom/checkpoint/hf.py:write_hf_folder out.mkdir(parents=True, exist_ok=True)': "the folder its caller gives: a staged_folder temporary, or the run's hf/.step-N.tmp-<pid>",
+    'meshloom/checkpoint/offline.py:write_side_files path.mkdir(parents=True, exist_ok=True)': "a step folder being saved (the run's claimed one, or a staged_folder temporary)",
+    'meshloom/data/loader.py:tokenize_corpus path.parent.mkdir(parents=True, exist_ok=True)': "data.cache_dir, meshloom's own cache folder",
+    'meshloom/data/prepare.py:prepare folder.mkdir(parents=True, exist_ok=True)': 'the --output folder check_resumable_folder accepted (removed again if it finishes no shard)',
+    'meshloom/data/tokenizer.py:_builtin cache_dir.mkdir(parents=True, exist_ok=True)': "data.cache_dir, meshloom's own cache folder",
+    'meshloom/launch/ray_train.py:_attempt_of_this_run attempts.parent.mkdir(parents=True, exist_ok=True)': "the launch's own <run>/ray folder",
+    'meshloom/observe/flight_recorder.py:dump recorder.folder.mkdir(parents=True, exist_ok=True)': '<run>/flight_recorder/attempt-N of this run',
+    'meshloom/observe/logging.py:MetricLogger.__init__ self.run_dir.mkdir(parents=True, exist_ok=True)': 'the run folder check_run_folder accepted',
+    'meshloom/observe/metrics.py:cached_cpu_peak path.parent.mkdir(parents=True, exist_ok=True)': "meshloom's own cache folder",
+    'meshloom/observe/profiler.py:StepProfiler._write_trace self.trace_dir.mkdir(parents=True, exist_ok=True)': '<run>/profile/steps_A-B of this run',
+    'meshloom/observe/profiler.py:StepProfiler._dump_cuda_snapshot self.snapshot_dir.mkdir(parents=True, exist_ok=True)': '<run>/memory_snapshot of this run',
+    'meshloom/testing/layout_parity.py:compare workdir.mkdir(parents=True, exist_ok=True)': "the harness's work folder (`meshloom parity` refuses a --workdir that holds anything)",
+    'meshloom/testing/matrix_run.py:_sharing_the_cache home.mkdir(exist_ok=True)': "a folder inside the matrix's own work folder",
+    'meshloom/train/nonfinite.py:write_dump path.parent.mkdir(parents=True, exist_ok=True)': '<run>/diagnostics of this run',
+    'meshloom/train/run_folder.py:check_run_folder run_dir.mkdir(parents=True, exist_ok=True)': "job.dump_folder, the run's own folder (a file there is refused first)",
 }  # fmt: skip
 
 
@@ -131,7 +147,7 @@ def writes(p, fig, x, prof, model, f, g):
     os.symlink(p, p); os.link(p, p); p.touch(); p.symlink_to(p); p.hardlink_to(p); tempfile.mkstemp(dir=p)
     tempfile.mkdtemp(); shutil.copyfileobj(f, g); x.tofile(p); logging.FileHandler(p)
     logging.handlers.RotatingFileHandler(p); model.save_pretrained(p); np.memmap(p, mode='w+')
-    drop(p); folders.remove(p)
+    drop(p); folders.remove(p); p.mkdir(); os.makedirs(p)
     with staged_file(p) as tmp:
         tmp.write_text('through the rule'); fig.savefig(tmp)
         p.write_text('beside the rule, inside the block')
@@ -168,7 +184,7 @@ def test_the_walk_finds_each_kind_of_writer(tmp_path: Path) -> None:
         "os.symlink(p, p)", "os.link(p, p)", "p.touch()", "p.symlink_to(p)", "p.hardlink_to(p)", "tempfile.mkstemp(dir=p)",
         "tempfile.mkdtemp()", "shutil.copyfileobj(f, g)", "x.tofile(p)", "logging.FileHandler(p)",
         "logging.handlers.RotatingFileHandler(p)", "model.save_pretrained(p)", "np.memmap(p, mode='w+')",
-        "drop(p)", "folders.remove(p)", "p.write_text('beside the rule, inside the block')",
+        "drop(p)", "folders.remove(p)", "p.mkdir()", "os.makedirs(p)", "p.write_text('beside the rule, inside the block')",
     )  # fmt: skip
     assert calls == list(expected), sorted(set(calls) ^ set(expected))
     # One entry per call: two identical calls are two entries, and the one after them is a third.

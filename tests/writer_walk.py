@@ -24,7 +24,7 @@ QUALIFIED = {
     "numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt",
     "safetensors.torch.save_file", "safetensors.torch.save_model", "safetensors.numpy.save_file",
     "os.replace", "os.rename", "os.renames", "os.remove", "os.unlink", "os.rmdir", "os.removedirs",
-    "os.symlink", "os.link", "os.truncate", "os.mkfifo", "os.mknod",
+    "os.symlink", "os.link", "os.truncate", "os.mkfifo", "os.mknod", "os.mkdir", "os.makedirs",
     "shutil.copy", "shutil.copy2", "shutil.copyfile", "shutil.copytree", "shutil.move", "shutil.rmtree",
     "shutil.copyfileobj", "shutil.make_archive", "shutil.unpack_archive",
     "tempfile.mkstemp", "tempfile.mkdtemp", "tempfile.NamedTemporaryFile", "tempfile.TemporaryDirectory",
@@ -37,7 +37,7 @@ KEYWORD_CALLS = {"ray.train.RunConfig", "ray.air.RunConfig", "ray.tune.RunConfig
 # Methods that write whatever the object (Path, Figure, ndarray, profiler, transformers model): no other type in
 # meshloom has methods of these names.
 METHODS = {
-    "write_text", "write_bytes", "touch", "savefig", "unlink", "rmdir", "rename", "hardlink_to", "symlink_to",
+    "write_text", "write_bytes", "touch", "mkdir", "savefig", "unlink", "rmdir", "rename", "hardlink_to", "symlink_to",
     "tofile", "save_pretrained", "export_chrome_trace", "export_memory_timeline", "export_stacks", "to_json_file",
 }  # fmt: skip
 # File-like constructors that write with a writing mode.
