@@ -18,9 +18,9 @@ from writer_walk import find_writers
 PACKAGE = Path(__file__).resolve().parents[1] / "meshloom"
 RULE = "meshloom/output.py"
 
-# meshloom's own writing helpers, which write where their caller says: a call to one is a writer too, so a command
+# meshloom's own writing functions, which write where their caller says: a call to one is a writer too, so a command
 # that hands one a user's path (not a staged temporary) fails here like a bare write.
-HELPERS = {
+WRITING_FUNCTIONS = {
     "meshloom.checkpoint.hf.write_hf_folder", "meshloom.checkpoint.offline.save_weights",
     "meshloom.checkpoint.offline.write_side_files", "meshloom.data.tokenizer.atomic_write_bytes",
     "meshloom.data.shard_format.write_json", "meshloom.checkpoint.folders.write_json_atomic",
@@ -68,9 +68,9 @@ WRITERS: dict[str, str] = {
     'meshloom/data/prepare.py:_prepare_into write_json(folder / META_FILE, meta)': 'meta.json of the accepted prepare folder',
     "meshloom/data/prepare.py:_prepare_into write_json(folder / STATE_FILE, {'settings': settings, 'shards': entries, 'complete': True})": 'prepare_state.json of the accepted prepare folder',
     "meshloom/data/shard_format.py:write_json atomic_write_bytes(Path(path), (json.dumps(value, indent=1, sort_keys=True) + '\\n').encode())": "prepare's state and meta files (its callers are listed)",
-    'meshloom/data/tokenizer.py:atomic_write_bytes tmp.write_bytes(data)': 'the helper itself: a temporary beside the target, then a rename (each caller is listed)',
-    'meshloom/data/tokenizer.py:atomic_write_bytes os.replace(tmp, path)': 'the helper itself: a temporary beside the target, then a rename (each caller is listed)',
-    'meshloom/data/tokenizer.py:atomic_write_bytes tmp.unlink(missing_ok=True)': 'the helper itself: a temporary beside the target, then a rename (each caller is listed)',
+    'meshloom/data/tokenizer.py:atomic_write_bytes tmp.write_bytes(data)': 'the function itself: a temporary beside the target, then a rename (each caller is listed)',
+    'meshloom/data/tokenizer.py:atomic_write_bytes os.replace(tmp, path)': 'the function itself: a temporary beside the target, then a rename (each caller is listed)',
+    'meshloom/data/tokenizer.py:atomic_write_bytes tmp.unlink(missing_ok=True)': 'the function itself: a temporary beside the target, then a rename (each caller is listed)',
     "meshloom/data/tokenizer.py:_builtin atomic_write_bytes(cached, tok.to_str().encode('utf-8'))": "the trained tokenizer's cache file in data.cache_dir, named from its settings",
     "meshloom/launch/ray_train.py:run_on_ray RunConfig(name=name, storage_path=str(run_dir / 'ray'), failure_config=FailureConfig(max_failures=max_failures), checkpoint_config=CheckpointConfig(num_to_keep=1))": "Ray's own records in <run>/ray of the run it launches",
     "meshloom/launch/ray_train.py:_attempt_of_this_run attempts.write_text(json.dumps({'launch': launch, 'attempt': box[0]}))": "the attempt count in the launch's own <run>/ray folder",
@@ -117,7 +117,7 @@ WRITERS: dict[str, str] = {
 
 
 def test_every_writer_goes_through_the_output_rule_or_is_listed() -> None:
-    writers = find_writers(PACKAGE, HELPERS, skip=RULE)
+    writers = find_writers(PACKAGE, WRITING_FUNCTIONS, skip=RULE)
     unlisted = [w for w in writers if w.key not in WRITERS]
     assert not unlisted, "writers that bypass meshloom/output.py; route them through it, or list the call with the folder its run owns:\n" + "\n".join(
         f"  {w.where} (line {w.line}): {w.call}" for w in unlisted
@@ -195,11 +195,11 @@ def test_the_walk_finds_each_kind_of_writer(tmp_path: Path) -> None:
     ]
 
 
-def test_every_writing_helper_is_found_where_it_is_called() -> None:
-    """Each helper in HELPERS is a function of meshloom that exists and writes: the walk reports a call inside it
-    (a write, or a call of another helper), so no name in the list is a typo that would hide its callers."""
-    writers = find_writers(PACKAGE, HELPERS, skip=RULE)
-    for helper in sorted(HELPERS):
-        module, _, name = helper.rpartition(".")
+def test_every_writing_function_is_found_where_it_is_called() -> None:
+    """Each function in WRITING_FUNCTIONS is a function of meshloom that exists and writes: the walk reports a call inside it
+    (a write, or a call of another such function), so no name in the list is a typo that would hide its callers."""
+    writers = find_writers(PACKAGE, WRITING_FUNCTIONS, skip=RULE)
+    for function in sorted(WRITING_FUNCTIONS):
+        module, _, name = function.rpartition(".")
         where = f"{module.replace('.', '/')}.py:{name}"
-        assert any(w.where == where for w in writers), f"{helper} is listed as a writing helper but writes nothing"
+        assert any(w.where == where for w in writers), f"{function} is listed as a writing function but writes nothing"

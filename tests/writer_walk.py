@@ -111,13 +111,13 @@ def _full_name(func: ast.expr, names: dict[str, str]) -> str | None:
     return names.get(head, head) + (f".{rest}" if rest else "")
 
 
-def writer_kind(call: ast.Call, names: dict[str, str], module: str, helpers: set[str]) -> str | None:
+def writer_kind(call: ast.Call, names: dict[str, str], module: str, writing_functions: set[str]) -> str | None:
     """"call" for a function that writes where its arguments say, "method" for a method that writes its object,
     None for a call that does not write."""
     func = call.func
     full = _full_name(func, names)
     if full is not None:
-        if full in QUALIFIED or full in helpers or f"{module}.{_dotted(func)}" in helpers:
+        if full in QUALIFIED or full in writing_functions or f"{module}.{_dotted(func)}" in writing_functions:
             return "call"
         if full in KEYWORD_CALLS:
             return "call" if any(k.arg in WITH_KEYWORD for k in call.keywords) else None
@@ -153,7 +153,7 @@ def _into_staged(call: ast.Call, kind: str, staged: set[str]) -> bool:
     return any(_names_in(t) & staged for t in targets)
 
 
-def find_writers(package: Path, helpers: set[str], skip: str = "") -> list[Writer]:
+def find_writers(package: Path, writing_functions: set[str], skip: str = "") -> list[Writer]:
     """Every writer under `package` but the module `skip` (the output rule itself). Two identical calls in one
     function are told apart by " #2", " #3" after the second and later ones."""
     found: list[Writer] = []
@@ -174,7 +174,7 @@ def find_writers(package: Path, helpers: set[str], skip: str = "") -> list[Write
                     if isinstance(expr, ast.Call) and (_dotted(expr.func) or "").split(".")[-1] in STAGED:
                         if isinstance(item.optional_vars, ast.Name):
                             staged = {*staged, item.optional_vars.id}
-            kind = writer_kind(node, names, module, helpers) if isinstance(node, ast.Call) else None
+            kind = writer_kind(node, names, module, writing_functions) if isinstance(node, ast.Call) else None
             if kind is not None and not _into_staged(node, kind, staged):  # type: ignore[arg-type]
                 where = f"{relpath}:{'.'.join(s for s in scope if s != '<lambda>')}"
                 text = ast.unparse(node)
