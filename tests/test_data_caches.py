@@ -148,3 +148,30 @@ def test_tokenizer_command_saves_the_builtin_tokenizer_for_data_tokenizer(tmp_pa
     assert (tmp_path / "new" / "t.json").read_bytes() == out.read_bytes()
     assert tokenizer_main(["-o", str(tmp_path / "t2.json"), *settings, "--data.tokenizer", str(out)]) == 2
     assert "is already a file" in capsys.readouterr().err
+
+
+def test_the_tokenizer_commands_suggestion_is_accepted_by_the_shipped_recipe(tmp_path, capsys):
+    """`meshloom tokenizer --config R` names, beside --data.tokenizer, every setting of R that a run refuses next to a
+    tokenizer file (llama3_debug.toml sets data.vocab_size); the run it suggests then passes RunPlan's checks, and
+    the recipe as it is would not."""
+    from meshloom.cli.save_tokenizer import main as tokenizer_main
+    from meshloom.config.errors import ConfigError
+    from meshloom.config.loader import load_config
+    from meshloom.planning.run_plan import RunPlan
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml"
+    out = tmp_path / "tok.json"
+    small = ["--data.max_bytes", "200000", "--data.cache_dir", str(tmp_path / "cache")]
+    assert tokenizer_main(["--config", str(recipe), "--output", str(out), *small]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == (f"wrote {out}; use it with --data.tokenizer {out}, and drop data.vocab_size from the run's settings "
+                    "(beside a tokenizer file a run refuses it)")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^data.vocab_size = 2048 has no effect"):
+        RunPlan.build(load_config(["--config", str(recipe), *small, "--data.tokenizer", str(out)]), 1)
+    followed = tmp_path / "recipe.toml"
+    followed.write_text("".join(l for l in recipe.read_text().splitlines(keepends=True) if not l.startswith("vocab_size")))
+    RunPlan.build(load_config(["--config", str(followed), *small, "--data.tokenizer", str(out)]), 1)
+    # Without such a setting the line names nothing to drop.
+    assert tokenizer_main(["--config", str(followed), "--output", str(tmp_path / "t2.json"), *small]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 't2.json'}; use it with --data.tokenizer {tmp_path / 't2.json'}"
+

@@ -81,6 +81,9 @@ def test_one_process_exports_samples_and_never_overwrites(root: Path, capsys) ->
     trainer = Trainer(load_config(run_args(root, "run", 4, 2)))
     trainer.train()
     export = root / "run" / "hf" / "step-4"
+    # The export records the run that made it: the lineage of the run's checkpoints.
+    lineage = json.loads((root / "run" / "checkpoint" / "step-4" / "save.json").read_text())["lineage"]
+    assert json.loads((export / "meshloom_export.json").read_text())["lineage"] == lineage == trainer.checkpointer.lineage
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "meshloom_export.json"} <= {p.name for p in export.iterdir()}
     assert not list((root / "run" / "hf").glob(".step-*"))
     with torch.no_grad():
@@ -102,10 +105,30 @@ def test_one_process_exports_samples_and_never_overwrites(root: Path, capsys) ->
     events = EventAccumulator(str(root / "run" / "tb"), size_guidance={"tensors": 0})
     events.Reload()
     assert {"samples/0/text_summary", "samples/1/text_summary"} <= set(events.Tags()["tensors"])
+    # An export of this step that another run made is never replaced, even when it appears after start-up.
+    other = root / "run" / "hf" / "step-2"
+    (other / "meshloom_export.json").write_text(json.dumps({"step": 2, "lineage": "another-run"}))
+    weights = (other / "model.safetensors").read_bytes()
+    with pytest.warns(UserWarning, match=r"hf/step-2 exists and was not written by an export of this run; left as it is"):
+        trainer.hf_exporter.export(2)
+        trainer.hf_exporter.close()
+    assert (other / "model.safetensors").read_bytes() == weights and not list((root / "run" / "hf").glob(".step-*"))
     dcp_blocking = json.loads((root / "run" / "checkpoint" / "step-4" / "complete.json").read_text())["blocking_seconds"]
     hf_blocking = json.loads((export / "meshloom_export.json").read_text())["blocking_seconds"]
     print(f"1 process: hf export blocked {hf_blocking:.4f} s, DCP save {dcp_blocking:.4f} s, ratio {hf_blocking / dcp_blocking:.3f}; "
           f"sampling {trainer.sampler.seconds}")  # fmt: skip
+
+
+def test_another_runs_export_is_refused_at_start_up(root: Path) -> None:
+    """A step folder made by an export of another run (its record names another lineage, or none) is refused before
+    training, like a folder no export made; a fresh run continues no lineage, so every export there is another's."""
+    other = root / "run" / "hf" / "step-2"
+    other.mkdir(parents=True)
+    for marker in ({"step": 2, "lineage": "another-run"}, {"step": 2}):
+        (other / "meshloom_export.json").write_text(json.dumps(marker))
+        with pytest.raises(ConfigError, match=r"hf/step-2 is another run's export, which this run would write at step 2; move it out of"):
+            Trainer(load_config(run_args(root, "run", 4, 2)))
+    assert sorted(p.name for p in other.iterdir()) == ["meshloom_export.json"] and not (root / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize(

@@ -157,3 +157,101 @@ def test_resize_rule_keeps_the_model_split_and_is_printed(tmp_path: Path, capsys
     config = load_config(["--parallelism.resize", "dp_shard", "--parallelism.tp", "2"])
     text = startup_summary(config, tmp_path, 10, 10, dict.fromkeys(MESH_DIMS, 1), 4, "cpu", 64, 1, tmp_path, 0)
     assert "resize         dp_shard absorbs a changed world size (dp_replicate 1, tp 2, pp 1, cp 1 kept)" in text
+
+
+def test_every_name_is_checked_as_its_scheduler_does_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    recipe = str(_recipe(tmp_path))
+    out = tmp_path / "job.out"
+    shape = ["--config", recipe, "--nodes", "1", "--gpus-per-node", "2", "--output", str(out)]
+    k8s = ["k8s", *shape, "--image", "registry.example:5000/team/meshloom:1.0"]
+    cases = [
+        (["slurm", *shape, "--name", "my job; rm -rf ~"], "--name 'my job; rm -rf ~' is not a valid slurm job name"),
+        (["slurm", *shape, "--name", "a/b"], "--name 'a/b' is not a valid slurm job name"),
+        (["slurm", *shape, "--name", "x" * 129], "is not a valid slurm job name"),
+        (["ray", "--config", recipe, "--nodes", "1", "--gpus-per-node", "2", "--name", "run\nnext"], "is not a valid ray job name"),
+        ([*k8s, "--name", "Train"], "--name 'Train' is not a valid TrainJob name (Kubernetes: an RFC 1035 label)"),
+        ([*k8s, "--name", "1job"], "is not a valid TrainJob name"),
+        ([*k8s, "--name", "a" * 64], "is not a valid TrainJob name"),
+        ([*k8s, "--data-volume", "Bad Claim"], "--data-volume 'Bad Claim' is not a valid PersistentVolumeClaim name (Kubernetes: a DNS-1123 subdomain)"),
+        ([*k8s, "--runs-volume", "runs-"], "--runs-volume 'runs-' is not a valid PersistentVolumeClaim name"),
+        ([*k8s, "--runs-volume", "a..b"], "is not a valid PersistentVolumeClaim name"),
+        (["k8s", *shape, "--image", "Registry/Meshloom:1"], "--image 'Registry/Meshloom:1' is not a container image reference"),
+        (["k8s", *shape, "--image", "meshloom:1; rm -rf ~"], "is not a container image reference"),
+    ]  # fmt: skip
+    for argv, fragment in cases:
+        assert launch(argv) == 2, argv
+        one_line_error(2, capsys.readouterr().err, fragment)
+        assert not out.exists()
+    # What those systems accept passes: a subdomain claim with dots, an image with a registry port and a digest.
+    assert launch([*k8s, "--name", "llama-8b-run2", "--data-volume", "corpus.v2", "--runs-volume", "runs-1"]) == 0
+    assert launch(["k8s", *shape, "--overwrite", "--image", f"reg.example/a/b@sha256:{'0' * 64}"]) == 0
+    assert launch(["slurm", *shape, "--overwrite", "--name", "Llama_8B.run-2"]) == 0
+
+
+def test_the_sbatch_script_passes_every_argument_as_typed(tmp_path: Path, capsys) -> None:
+    """The script is run by bash with a stand-in srun that records its arguments: each argument arrives exactly as
+    typed (spaces, quotes, $(...), backticks, a line break), nothing in them is run, and only the rendezvous
+    variables are expanded."""
+    recipe = tmp_path / "my recipe's.toml"
+    recipe.write_text('[model]\nname = "llama3"\n')
+    script, pwned = tmp_path / "job.sbatch", tmp_path / "pwned"
+    hostile = [
+        "--job.description", f"a $(touch {pwned}) `touch {pwned}` b\nx; touch {pwned}",
+        "--job.dump_folder", f"runs/$HOME/ it's \"quoted\" ;touch {pwned}",
+    ]  # fmt: skip
+    argv = ["slurm", "--config", str(recipe), "--nodes", "1", "--gpus-per-node", "2", "--output", str(script), *hostile]
+    assert launch(argv) == 0
+    capsys.readouterr()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node-a\n")
+    (bin_dir / "srun").write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {shlex.quote(str(tmp_path / 'argv'))}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "HOME": str(tmp_path)}  # fmt: skip
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    words = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert not pwned.exists()
+    assert words[0] == "--kill-on-bad-exit=1" and words[1] == ".venv/bin/torchrun"
+    expected_rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "node-a:29500", "--rdzv-id", "42"]
+    assert words[words.index("--rdzv-backend") : words.index("--rdzv-backend") + 6] == expected_rdzv
+    assert words[words.index("-m") :] == ["-m", "meshloom.train", "--config", str(recipe), *hostile]
+    # The note that names the command stays a comment, whatever line breaks its arguments hold.
+    header = script.read_text().split("#SBATCH")[0].splitlines()
+    assert header[0] == "#!/bin/bash" and all(line.startswith("# ") for line in header[1:])
+
+
+def test_runs_volume_holds_the_run_folder_and_an_empty_recipe_is_refused(tmp_path: Path, capsys) -> None:
+    recipe = str(_recipe(tmp_path))
+    out = tmp_path / "job.yaml"
+    k8s = ["k8s", "--config", recipe, "--nodes", "1", "--gpus-per-node", "2", "--image", "reg/meshloom:1", "--output", str(out),
+           "--runs-volume", "runs"]  # fmt: skip
+    outside = tmp_path / "outside.toml"
+    outside.write_text('[job]\ndump_folder = "runs/llama"\n')
+    cases = [
+        ([*k8s, "--job.dump_folder", "/data/run"], "job.dump_folder /data/run is outside /runs, where --runs-volume is mounted"),
+        ([*k8s, "--job.dump_folder", "/runs/../tmp/run"], "job.dump_folder /runs/../tmp/run is outside /runs"),
+        ([*k8s, "--job.dump_folder", "/runs"], "job.dump_folder /runs is outside /runs"),
+        ([*k8s, "--config", str(outside)], "job.dump_folder runs/llama is outside /runs"),  # the recipe's own, relative
+        ([*k8s, "--job.dump_folder", "/runs/a", "--checkpoint.folder", "/scratch/ckpt"], "checkpoint.folder /scratch/ckpt is outside /runs"),
+    ]  # fmt: skip
+    for argv, fragment in cases:
+        assert launch(argv) == 2, argv
+        one_line_error(2, capsys.readouterr().err, fragment)
+        assert not out.exists()
+    assert launch([*k8s, "--job.dump_folder", "/runs/a", "--checkpoint.folder", "ckpt"]) == 0
+    assert "--job.dump_folder /runs/a" in shlex.join(yaml.safe_load(out.read_text())["spec"]["trainer"]["command"])
+    assert launch([*k8s, "--overwrite", "--name", "llama"]) == 0
+    assert shlex.join(yaml.safe_load(out.read_text())["spec"]["trainer"]["command"]).endswith("--job.dump_folder /runs/llama")
+    capsys.readouterr()
+    out.unlink()
+    for empty in ("", "# nothing yet\n", "[training]\n[model]\n"):
+        for suffix in (".toml", ".yaml"):
+            path = tmp_path / f"empty{suffix}"
+            path.write_text(empty if suffix == ".toml" or "[" not in empty else "training: {}\n")
+            for scheduler in (["slurm"], ["k8s", "--image", "reg/meshloom:1"], ["ray"]):
+                code = launch([scheduler[0], "--config", str(path), "--nodes", "1", "--gpus-per-node", "2", *scheduler[1:]])
+                one_line_error(code, capsys.readouterr().err, f"--config {path} sets nothing, so the job would train meshloom's defaults")
+    assert not list(tmp_path.glob("meshloom.*"))

@@ -4,10 +4,12 @@ data-parallel degree, sources running out (repeat / drop), accounting, and the o
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,6 +212,49 @@ def test_bad_mixture_settings_name_the_setting(folders, tmp_path):
         check_shard_folders(f"{folders['web']},{copy}")
 
 
+def test_a_stage_after_the_last_step_is_refused_before_training(folders, capsys):
+    """A stage that starts at or after training.steps would never run: refused by RunPlan's check, in steps and in
+    tokens, with one line; one that starts at the last step is kept."""
+    from meshloom.data.stages import check_mixture_settings
+
+    web = {"weights": {"web": 1}}
+    for start in ({"start_step": 10}, {"start_step": 11}, {"start_tokens": 10 * 4 * SEQ}, {"start_tokens": 10 * 4 * SEQ + 1}):
+        config = _config(folders, [{**start, **web}])
+        with pytest.raises(ValueError, match=r"^data\.stages\[0\] starts at sample 4[0-4] \(step 1[12]\), after the last step "
+                                             r"\(training.steps = 10\), so it would never run; start it earlier"):  # fmt: skip
+            check_mixture_settings(config, 4, SEQ, 10)
+    for start in ({"start_step": 9}, {"start_tokens": 9 * 4 * SEQ + 1}):
+        check_mixture_settings(_config(folders, [{**start, **web}]), 4, SEQ, 10)
+    # The second of two stages, from the command line: one line, before any process group.
+    stages = json.dumps([{"start_step": 2, "weights": {"web": 1}}, {"start_step": 6, "weights": {"code": 1}}])
+    from meshloom.cli import main as cli
+
+    argv = ["train", "--data.dataset", "shards", "--data.shards", _config(folders, []).shards, "--data.stages", stages,
+            "--training.steps", "6", "--training.seq_len", str(SEQ), "--data.vocab_size", "512"]  # fmt: skip
+    line = one_line_error(cli(argv), capsys.readouterr().err, "data.stages[1] starts at sample")
+    assert "(training.steps = 6), so it would never run" in line
+
+
+def test_one_folder_listed_twice_is_refused(folders, tmp_path):
+    """The same folder twice in data.shards, however spelt (as given, with ./ or a trailing /, absolute, through a
+    link), is refused in one line: it would be one source drawn at the sum of two weights."""
+    from meshloom.data.shards import parse_shards_setting
+
+    web = folders["web"]
+    link = tmp_path / "web-link"
+    link.symlink_to(web)
+    relative = Path(web).relative_to(Path.cwd(), walk_up=True) if hasattr(Path, "walk_up") else None
+    spellings = [str(web), f"{web}/", f"{Path(web).parent}/./{Path(web).name}", str(link), *([f"./{relative}"] if relative else [])]
+    for other in spellings:
+        with pytest.raises(ValueError, match=rf"^data\.shards lists the folder {Path(web).resolve()} twice \(as {web} and {re.escape(other)}\)"):
+            parse_shards_setting(f"{web}:3,{folders['code']}:1,{other}:1")
+        with pytest.raises(ValueError, match=r"lists the folder .* twice"):
+            build_mixture(DataConfig(dataset="shards", shards=f"{web},{other}"), 4, SEQ)
+    # Two folders that share a last name are two sources, named by their paths.
+    twin = prepared(tmp_path / "other" / "web", Numbered(), numbered_texts(5), shard_tokens=200)
+    assert build_mixture(DataConfig(dataset="shards", shards=f"{web},{twin}"), 4, SEQ).names == [str(web), str(twin)]
+
+
 def test_stages_read_the_same_from_toml_yaml_and_the_command_line(folders, tmp_path):
     toml = tmp_path / "mix.toml"
     toml.write_text(
@@ -273,22 +318,24 @@ def test_training_logs_the_mixture_and_resumes_with_a_changed_one(tmp_path):
         "--data.tokenizer", str(tok_path), "--job.dump_folder", str(tmp_path / "run"), "--validation.enable", "false",
         "--checkpoint.enable", "true", "--checkpoint.interval", "2",
     ]  # fmt: skip
-    Trainer(load_config([*argv, "--training.steps", "2"])).train()
+    Trainer(load_config([*argv, "--training.steps", "3"])).train()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "loss" in r}
     assert steps[1]["data/web/tokens"] + steps[1]["data/code/tokens"] == 4 * 32
     assert steps[2]["data/web/tokens"] + steps[2]["data/code/tokens"] == 8 * 32
-    assert steps[1]["data/web/share"] == 0.75 and steps[2]["data/code/share"] == 1.0  # the stage from step 2 on
+    # A share is the mixture at the next sample: the stage's from the end of step 2, and step 3 draws code only.
+    assert steps[1]["data/web/share"] == 0.75 and steps[2]["data/code/share"] == 1.0
+    assert steps[3]["data/web/tokens"] == steps[2]["data/web/tokens"] and steps[3]["data/code/tokens"] == steps[2]["data/code/tokens"] + 4 * 32
     assert steps[2]["data/web/documents"] >= steps[1]["data/web/documents"] > 0
     assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
-    assert load_mixture(tmp_path / "run")["web"] == ([1, 2], [0.75, 0.0])
+    assert load_mixture(tmp_path / "run")["web"] == ([1, 2, 3], [0.75, 0.0, 0.0])
 
-    changed = [*argv, "--training.steps", "3", "--checkpoint.resume", "true", "--data.stages", "[]"]
+    changed = [*argv, "--training.steps", "4", "--checkpoint.resume", "true", "--data.stages", "[]"]
     with pytest.raises(ValueError, match=r"data: the mixture differs from the checkpoint's"):
         Trainer(load_config(changed)).train()
     Trainer(load_config([*changed, "--data.allow_mixture_change", "true"])).train()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert {"step": 3, "event": "data_mixture_change", "sample": 8} in rows
-    last = [r for r in rows if r.get("step") == 3 and "loss" in r][-1]
-    assert last["data/web/share"] == 0.75 and last["data/web/tokens"] + last["data/code/tokens"] == 12 * 32
+    assert {"step": 4, "event": "data_mixture_change", "sample": 12} in rows
+    last = [r for r in rows if r.get("step") == 4 and "loss" in r][-1]
+    assert last["data/web/share"] == 0.75 and last["data/web/tokens"] + last["data/code/tokens"] == 16 * 32
     assert write_report([tmp_path / "run"], tmp_path / "report.png").stat().st_size > 0

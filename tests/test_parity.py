@@ -99,3 +99,23 @@ def test_command_refuses_a_folder_or_plot_it_did_not_make(tmp_path) -> None:
     with pytest.raises(UserError, match=r"curves.png already exists; pass --overwrite to replace it"):
         main(["--layout", "dp_shard=2", "--workdir", str(tmp_path / "new"), "--plot", str(tmp_path / "curves.png")])
     assert not (tmp_path / "new").exists() and (tmp_path / "curves.png").read_bytes() == b"png"
+
+
+def test_steps_are_refused_in_parity_s_own_words(tmp_path, capsys) -> None:
+    """`meshloom parity` takes --steps, not --training.steps: a bad count, or training.steps hidden in --common or a
+    --layout, is one line naming parity's flag, before any run."""
+    from cli_checks import one_line_error
+    from meshloom.cli import main as cli
+
+    work = tmp_path / "work"
+    cases = [
+        (["--steps", "0"], "parity: --steps must be >= 1 (the steps every run trains), got 0"),
+        (["--steps", "-3"], "parity: --steps must be >= 1"),
+        (["--common", "training.steps=3"], "parity: --common 'training.steps=3' sets training.steps; every run trains --steps steps, so pass --steps instead"),
+        (["--layout", "tp=2,training.steps=0"], "parity: --layout 'tp=2,training.steps=0' sets training.steps"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        line = one_line_error(cli(["parity", "--layout", "dp_shard=2", "--workdir", str(work), *extra]), capsys.readouterr().err, message)
+        assert "--training.steps" not in line
+    assert not work.exists()
+

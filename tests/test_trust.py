@@ -132,7 +132,8 @@ def test_ctrl_c_waits_for_an_async_save(tmp_path: Path, data_cache: Path, capsys
     complete, _ = folders.list_checkpoints(tmp_path / "run" / "checkpoint")
     assert written == [1] and [c.step for c in complete] == [1], err
     verify(complete[0])  # every file's checksum matches: the save is whole
-    assert "latest complete checkpoint:" in err and "step-1 (step 1)" in err and "--checkpoint.resume true" in err
+    lines = err.splitlines()  # every line counted: the interrupt's one line, nothing else
+    assert len(lines) == 1 and "latest complete checkpoint:" in err and "step-1 (step 1)" in err and "--checkpoint.resume true" in err, err
 
 
 def test_foreign_step_folder_is_refused_at_start_up(tmp_path: Path, data_cache: Path, capsys) -> None:
@@ -267,7 +268,7 @@ def test_unused_ranks_hint_is_right_and_works(tmp_path: Path, data_cache: Path, 
 def test_resume_with_another_optimizer_says_so(run_dir: Path, capsys) -> None:
     args = [*tiny(run_dir.parent / "cache"), "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(run_dir)]
     code = cli(["train", *args, "--training.steps", "4", "--checkpoint.resume", "true", "--optimizer.name", "Muon"])
-    one_line_error(code, capsys.readouterr().err, "holds AdamW optimizer state, but optimizer.name = 'Muon'; resume with --optimizer.name AdamW")
+    one_line_error(code, capsys.readouterr().err, "checkpoint.resume: optimizer.name = 'Muon' differs from 'AdamW', the value of the checkpoint")
 
 
 def test_mtp_depth_is_a_setting(tmp_path: Path) -> None:
@@ -462,7 +463,10 @@ def test_ctrl_c_is_one_line(command: str, target: str, run_dir: Path, tmp_path: 
             "eval": ["eval", str(run_dir), "--data", "validation", "--output", str(out)]}[command]  # fmt: skip
     assert cli(argv) == 130
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.splitlines()[-1] == f"meshloom: {command} interrupted; no output was written (outputs are moved into place only when complete)", err
+    # Every line counted: generate's note of which run it loaded (printed before the interrupt), then the one line
+    # that says what the interrupt left; nothing else (no traceback, no second message).
+    loaded = [f"loaded run {run_dir} (step 2 at {run_dir / 'checkpoint' / 'step-2'}) on cpu"] if command == "generate" else []
+    assert err.splitlines() == [*loaded, f"meshloom: {command} interrupted; no output was written (outputs are moved into place only when complete)"], err
     assert not out.exists()
 
 
@@ -489,30 +493,91 @@ def test_ctrl_c_during_prepare_is_one_line(tmp_path: Path, subprocess_env: dict[
     assert json.loads((out / "prepare_state.json").read_text())["shards"]
 
 
-def test_real_ctrl_c_during_an_async_save_finishes_it(tmp_path: Path, data_cache: Path, subprocess_env: dict[str, str]) -> None:
-    """SIGINT to a training process while its background save of step 2 is still writing: the save completes, every
-    file's checksum matches, and the run ends with one line naming it."""
-    run, flag = tmp_path / "run", tmp_path / "saving"
+# DCP's writer thread, slowed half-way through the first save (a slow disk): after its first tensor is written to a
+# shard file, the byte count so far goes to the flag file and the thread sleeps, so a signal lands while DCP is still
+# writing: a shard file holds part of its bytes and the save's .metadata does not exist yet.
+SLOW_DCP_WRITE = """import sys, time
+from pathlib import Path
+import torch.distributed.checkpoint.filesystem as filesystem
+write_item, flag = filesystem._write_item, Path(sys.argv[1])
+def slow(transforms, stream, *args, **kwargs):
+    result = write_item(transforms, stream, *args, **kwargs)
+    if not flag.exists():
+        stream.flush()
+        flag.write_text(str(stream.tell()))
+        time.sleep(3)
+    return result
+filesystem._write_item = slow
+from meshloom.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _paused_in_a_dcp_write(tmp_path: Path, data_cache: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+    """A training process whose async save of step 2 is paused inside DCP's file writes; returns it and its step folder."""
+    run, flag = tmp_path / "run", tmp_path / "written-so-far"
     argv = ["train", *tiny(data_cache), "--training.steps", "200", "--checkpoint.enable", "true", "--checkpoint.async_mode", "async",
             "--checkpoint.interval", "2", "--job.dump_folder", str(run)]  # fmt: skip
-    # The save of step 2 is slowed in its writer thread (a slow disk); the flag says that it is in flight.
-    script = (
-        "import sys, time\nfrom pathlib import Path\nfrom meshloom.train.fault_injection import FaultInjector\n"
-        "def slow(self, step):\n    if step == 2:\n        Path(sys.argv[1]).touch(); time.sleep(3)\n"
-        "FaultInjector.during_save = slow\nfrom meshloom.cli import main\nsys.exit(main(sys.argv[2:]))\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script, str(flag), *argv], env=subprocess_env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_DCP_WRITE, str(flag), *argv], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.monotonic() + 180
-    while not flag.exists() and time.monotonic() < deadline and proc.poll() is None:
+    while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
+    step = run / "checkpoint" / "step-2"
+    # Torn at this moment: some shard bytes are on disk, DCP's index is not, and nothing is committed.
+    assert proc.poll() is None and int(flag.read_text()) > 0, proc.communicate()
+    assert any(f.stat().st_size > 0 for f in step.glob("*.distcp")) and not (step / ".metadata").exists()
     assert not folders.list_checkpoints(run / "checkpoint")[0], "step 2 was committed before the signal"
+    return proc, step
+
+
+def test_real_ctrl_c_during_an_async_save_finishes_it(tmp_path: Path, data_cache: Path, subprocess_env: dict[str, str]) -> None:
+    """SIGINT to a training process while DCP is still writing the files of its background save of step 2: the save
+    completes, every file's checksum matches, and the run ends with exactly one line on stderr, naming it."""
+    proc, step = _paused_in_a_dcp_write(tmp_path, data_cache, subprocess_env)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
-    complete, _ = folders.list_checkpoints(run / "checkpoint")
+    complete, _ = folders.list_checkpoints(step.parent)
+    # Step 2's save, torn at the signal, is whole now; training may have gone on to step 4's save meanwhile.
     assert complete and complete[0].step == 2, err[-2000:]
     for checkpoint in complete:
         verify(checkpoint)  # every file's checksum matches: each save is whole
     lines = [line for line in err.splitlines() if line.startswith("meshloom: interrupted")]
     assert len(lines) == 1 and f"latest complete checkpoint: {complete[-1].path}" in lines[0], err[-2000:]
+    assert err.strip().splitlines() == lines, err[-2000:]
+
+
+def test_a_save_killed_while_dcp_writes_is_never_taken_as_a_checkpoint(tmp_path: Path, data_cache: Path, subprocess_env: dict[str, str]) -> None:
+    """SIGKILL (nothing can finish) while DCP is half-way through step 2's files: the torn folder is never listed as
+    a checkpoint, only as an incomplete step folder."""
+    proc, step = _paused_in_a_dcp_write(tmp_path, data_cache, subprocess_env)
+    proc.kill()
+    proc.communicate(timeout=60)
+    complete, partial = folders.list_checkpoints(step.parent)
+    assert complete == [] and step in partial
+    assert not (step / ".metadata").exists()
+
+
+def test_lighthouse_blames_the_option_at_fault(capsys) -> None:
+    """`meshloom lighthouse`: an address this machine does not have is --bind's fault, a port in use is --port's,
+    each one line before any server starts."""
+    import socket
+
+    from meshloom.cli.lighthouse import main as lighthouse
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        cases = [
+            (["--bind", "192.0.2.1", "--port", "0"], "--bind 192.0.2.1 is not an address of this machine (Cannot assign requested address)"),
+            (["--bind", "no-such-host.invalid"], "--bind 'no-such-host.invalid' is not an address of this machine nor a host name that resolves"),
+            (["--bind", "127.0.0.1", "--port", str(busy)], f"--port {busy} is already in use on 127.0.0.1; choose another --port"),
+            (["--port", "65536"], "--port must be in 0..65535 (0 picks a free one), got 65536"),
+            (["--min-replicas", "0"], "--min-replicas must be >= 1, got 0"),
+            (["--join-timeout-ms", "-1"], "--join-timeout-ms must be >= 0, got -1"),
+        ]  # fmt: skip
+        for argv, fragment in cases:
+            line = one_line_error(lighthouse(argv), capsys.readouterr().err, fragment)
+            assert ("--port" in line) == ("--port" in fragment), line  # the address's fault never names --port

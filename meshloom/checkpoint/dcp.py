@@ -29,6 +29,7 @@ from meshloom.checkpoint import folders
 from meshloom.checkpoint.folders import CheckpointInfo
 from meshloom.checkpoint.hf import HFFolder, load_into_model_parts
 from meshloom.checkpoint.hf_export import refuse_foreign_exports
+from meshloom.checkpoint.resume_settings import refuse_what_a_resume_cannot_honour
 from meshloom.checkpoint.integrity import checkpoint_files, compute_checksums
 from meshloom.checkpoint.interrupts import interrupts_deferred
 from meshloom.checkpoint.offline import write_side_files
@@ -98,7 +99,8 @@ class Checkpointer:
         self._precheck(complete)
         if c.enable:
             self._refuse_foreign_folders(complete)
-        refuse_foreign_exports(config, run_dir, complete[-1].step if c.resume and complete else 0)
+        continued = folders.lineage_of(complete[-1].path) if c.resume and complete else None
+        refuse_foreign_exports(config, run_dir, complete[-1].step if c.resume and complete else 0, continued)
         # The run lineage whose step folders this run may replace and prune: a fresh one, or on resume the one of
         # the checkpoint it continues (set when that is loaded).
         self.lineage = uuid.uuid4().hex
@@ -140,6 +142,7 @@ class Checkpointer:
         if target is None:
             return
         if self.settings.resume:
+            refuse_what_a_resume_cannot_honour(self.config, target.path)  # before the checkpoint's shapes are compared
             if complete[0].step >= self.config.training.steps:  # whichever one loads: the same verdict, early
                 self._check_steps_left(target.path, target.step)
             self._check_data_degree(target)

@@ -7,8 +7,13 @@
                  files + meshloom_export.json), then renames it to step-N/
 
 Training waits only for the gather and the host copy (as an async DCP save waits for its staging copy); the
-files are written while it goes on. A step-N folder without meshloom_export.json was not made by an export and
-is never overwritten: one the run would export into is refused at start-up (`refuse_foreign_exports`). The host copy is a snapshot, so later optimizer steps cannot reach the files.
+files are written while it goes on. The host copy is a snapshot, so later optimizer steps cannot reach the files.
+
+meshloom_export.json records which run made the export: the run lineage of its checkpoints (a resumed run
+continues the lineage it loaded, as its checkpoint step folders do). An export is replaced only by a run of the
+same lineage (a resumed or restarted run writing the same step again). A step-N folder without that record, or
+with another lineage's, is never overwritten: one the run would export into is refused at start-up
+(`refuse_foreign_exports`), and one that appears later is left as it is, with a warning.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,18 +95,35 @@ def export_steps(config: Config, start: int) -> list[int]:
     return [s for s in range(start + 1, last + 1) if s % interval == 0 or s == last] if interval else []
 
 
-def refuse_foreign_exports(config: Config, run_dir: Path, start: int) -> None:
-    """A <run>/hf/step-N this run would export into but no export made is refused now, before the training that
-    would reach it (as a foreign checkpoint step folder is)."""
+def export_lineage(folder: Path) -> str | None:
+    """The run lineage that made the export in `folder`, or None (not an export, or one that does not say)."""
+    try:
+        lineage = json.loads((folder / EXPORT_MARKER).read_text()).get("lineage")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return lineage if isinstance(lineage, str) else None
+
+
+def refuse_foreign_exports(config: Config, run_dir: Path, start: int, lineage: str | None) -> None:
+    """A <run>/hf/step-N this run would export into, but that no export of this run's lineage made, is refused
+    now, before the training that would reach it (as a foreign checkpoint step folder is). `lineage` is the one
+    the run continues (None for a fresh start: then every existing export is another run's)."""
     steps = export_steps(config, start)
     root = Path(run_dir) / HF_EXPORT_DIR
     if steps and root.exists() and not root.is_dir():
         raise ConfigError(f"{root} is a file, but checkpoint.hf_export_interval exports into that folder; move the file or set the interval to 0")
     for step in steps:
         folder = root / f"step-{step}"
-        if folder.exists() and not (folder / EXPORT_MARKER).is_file():
+        if not folder.exists():
+            continue
+        if not (folder / EXPORT_MARKER).is_file():
             raise ConfigError(
                 f"{folder} already exists and was not made by an export, which this run would write at step {step}; "
+                f"move it out of {root} (it is never overwritten) or change checkpoint.hf_export_interval"
+            )
+        if lineage is None or export_lineage(folder) != lineage:
+            raise ConfigError(
+                f"{folder} is another run's export, which this run would write at step {step}; "
                 f"move it out of {root} (it is never overwritten) or change checkpoint.hf_export_interval"
             )
 
@@ -108,8 +131,10 @@ def refuse_foreign_exports(config: Config, run_dir: Path, start: int) -> None:
 class HFExporter:
     """`maybe_export(step)` after every step; `close()` at the end of training waits for the last write."""
 
-    def __init__(self, plan: RunPlan, run_dir: Path, model_parts: list[nn.Module], tokenizer: Any):
+    def __init__(self, plan: RunPlan, run_dir: Path, model_parts: list[nn.Module], tokenizer: Any, lineage: Callable[[], str]):
+        """`lineage` gives the run lineage at the time of a write (a resume sets it when its checkpoint loads)."""
         config = plan.config
+        self.lineage = lineage
         self.interval, self.plan, self.parts = config.checkpoint.hf_export_interval, plan, model_parts
         self.root = Path(run_dir) / HF_EXPORT_DIR
         self.dtype = DTYPES[config.checkpoint.hf_export_dtype]
@@ -133,7 +158,7 @@ class HFExporter:
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshloom-hf-export")
-        self._pending = self._executor.submit(self._write, step, state, start, blocking)
+        self._pending = self._executor.submit(self._write, step, state, start, blocking, self.lineage())
 
     def wait(self) -> None:
         pending, self._pending = self._pending, None
@@ -146,10 +171,10 @@ class HFExporter:
             self._executor.shutdown()
             self._executor = None
 
-    def _write(self, step: int, state: dict[str, torch.Tensor], start: float, blocking: float) -> None:
+    def _write(self, step: int, state: dict[str, torch.Tensor], start: float, blocking: float, lineage: str) -> None:
         final = self.root / f"step-{step}"
-        if final.exists() and not (final / EXPORT_MARKER).is_file():
-            warnings.warn(f"hf export: {final} exists and was not written by an export; left as it is, step {step} not exported", stacklevel=1)
+        if final.exists() and export_lineage(final) != lineage:
+            warnings.warn(f"hf export: {final} exists and was not written by an export of this run; left as it is, step {step} not exported", stacklevel=1)
             return
         tmp = self.root / f".step-{step}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,10 +182,10 @@ class HFExporter:
         for name, data in self.files.items():
             (tmp / name).write_bytes(data)
         total = time.perf_counter() - start
-        marker = {"step": step, "written_by": "meshloom training export", "dtype": str(self.dtype).removeprefix("torch."),
+        marker = {"step": step, "written_by": "meshloom training export", "lineage": lineage, "dtype": str(self.dtype).removeprefix("torch."),
                   "tokenizer": self.files_note, "blocking_seconds": round(blocking, 6), "total_seconds": round(total, 6)}  # fmt: skip
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1))
-        if final.exists():  # an earlier export of this step (a restarted run): ours to replace
+        if final.exists() and export_lineage(final) == lineage:  # an earlier export of this step by this lineage: ours to replace
             shutil.rmtree(final)
         os.replace(tmp, final)
         tqdm.write(f"hf export: step {step} written to {final}: training blocked {blocking:.3f} s, total {total:.3f} s")

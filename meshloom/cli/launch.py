@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import posixpath
 import shlex
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from meshloom.cli.numbers import count, number, positive_float, positive_int, CommandParser
@@ -25,6 +26,7 @@ from meshloom.config.errors import UserError
 from meshloom.parallel.dims import DEGREE_NAMES
 
 if TYPE_CHECKING:
+    from meshloom.config.schema import Config
     from meshloom.planning.run_plan import RunPlan
 
 EXTRAS = {"ray": ("ray", "ray"), "k8s": ("kubeflow_trainer_api", "k8s")}
@@ -88,20 +90,61 @@ def _refuse_foreign_options(opts: argparse.Namespace) -> None:
             )
 
 
+def _check_names(opts: argparse.Namespace) -> None:
+    """Every name the scheduler reads, by that system's rules (meshloom/launch/names.py)."""
+    from meshloom.launch import names
+
+    if opts.scheduler != "k8s":
+        names.check_job_name(opts.scheduler, opts.name)
+        return
+    names.check_trainjob_name(opts.name)
+    if not opts.image:
+        raise UserError("meshloom launch k8s needs --image: the container image with meshloom installed")
+    names.check_image(opts.image)
+    for flag, claim in (("--data-volume", opts.data_volume), ("--runs-volume", opts.runs_volume)):
+        if claim is not None:
+            names.check_claim_name(flag, claim)
+
+
+def _refuse_an_empty_recipe(path: Path) -> None:
+    """A recipe that sets nothing would launch the defaults (a tiny model on the built-in corpus) on the cluster."""
+    from meshloom.config.loader import apply_file
+    from meshloom.config.schema import Config
+
+    config = Config()
+    config.given = set()
+    apply_file(config, path)
+    if not config.given:
+        raise UserError(f"--config {path} sets nothing, so the job would train meshloom's defaults; give the recipe of the run (see configs/)")
+
+
+def _runs_on_the_volume(config: Config, overrides: list[str], name: str) -> list[str]:
+    """With --runs-volume the run folder (and an absolute checkpoint.folder) must lie under its mount, or the run
+    writes to the pod's own storage and is lost with it. Unset, job.dump_folder goes to RUNS_MOUNT/NAME."""
+    from meshloom.launch.k8s import RUNS_MOUNT
+
+    assert config.given is not None
+    if "job.dump_folder" not in config.given:
+        return [*overrides, "--job.dump_folder", f"{RUNS_MOUNT}/{name}"]
+    mount = PurePosixPath(RUNS_MOUNT)
+    for key, value in (("job.dump_folder", config.job.dump_folder), ("checkpoint.folder", config.checkpoint.folder)):
+        path = PurePosixPath(posixpath.normpath(value))
+        if (key == "job.dump_folder" or path.is_absolute()) and mount not in path.parents:
+            raise UserError(
+                f"{key} {value} is outside {RUNS_MOUNT}, where --runs-volume is mounted, so the run would write to the "
+                f"pod's own storage and lose it; set --{key} under {RUNS_MOUNT}/ (or leave job.dump_folder unset)"
+            )
+    return overrides
+
+
 def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
     _refuse_foreign_options(opts)
     if opts.scheduler in EXTRAS:
         module, extra = EXTRAS[opts.scheduler]
         if importlib.util.find_spec(module) is None:
             raise UserError(f"meshloom launch {opts.scheduler} needs the {module} package; install it with pip install 'meshloom[{extra}]'")
-    if opts.scheduler == "k8s":
-        from meshloom.launch.k8s import RUNS_MOUNT, check_name
-
-        check_name(opts.name)
-        if not opts.image:
-            raise UserError("meshloom launch k8s needs --image: the container image with meshloom installed")
-        if opts.runs_volume and not any(a.startswith("--job.dump_folder") for a in overrides):
-            overrides = [*overrides, "--job.dump_folder", f"{RUNS_MOUNT}/{opts.name}"]
+    _check_names(opts)
+    _refuse_an_empty_recipe(Path(opts.config))
     if opts.scheduler == "ray" and opts.min_nodes is not None:
         raise UserError("--min-nodes: an elastic node count runs under torchrun (slurm); a Ray run restarts on its full --nodes")
     if opts.scheduler == "k8s" and opts.min_nodes is not None:
@@ -117,6 +160,9 @@ def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
     from meshloom.launch.torchrun import check_resumable, restarts_for, train_args
 
     config = load_config(["--config", opts.config, *overrides])
+    if opts.scheduler == "k8s" and opts.runs_volume:
+        overrides = _runs_on_the_volume(config, overrides, opts.name)
+        config = load_config(["--config", opts.config, *overrides])
     shape = ClusterShape(opts.nodes, opts.gpus_per_node, opts.min_nodes or opts.nodes)
     plans = check_cluster(config, shape, opts.gpu_memory_gib)
     layouts = ", ".join(f"{p.world_size} ranks: {_layout(p)}" for p in plans)
@@ -135,7 +181,7 @@ def _launch(opts: argparse.Namespace, overrides: list[str], note: str) -> int:
     if opts.scheduler == "slurm":
         from meshloom.launch.slurm import sbatch_script
 
-        text = sbatch_script(opts.name, shape, restarts, train, f"{note}\n# layout: {layouts}")
+        text = sbatch_script(opts.name, shape, restarts, train, f"{note}\nlayout: {layouts}")
         submit = f"sbatch {output}"
     else:
         import yaml

@@ -10,7 +10,9 @@ It serves until interrupted (Ctrl-C or SIGTERM).
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
+import socket
 import sys
 import threading
 
@@ -46,10 +48,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bind_problem(bind: str, port: int) -> str | None:
+    """Why the Lighthouse could not listen on bind:port, naming the option at fault, or None. Tried with a socket of
+    the address's family (bound, then closed at once), so the address and the port are told apart by the OS's own
+    answer: an address this machine does not have is --bind's fault, a port in use or reserved is --port's."""
+    if not 0 <= port <= 65535:
+        return f"--port must be in 0..65535 (0 picks a free one), got {port}"
+    host = bind[1:-1] if bind.startswith("[") and bind.endswith("]") else bind
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        return f"--bind {bind!r} is not an address of this machine nor a host name that resolves ({err}); give one of its addresses, or [::] for all"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server does: a closed port's TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as err:
+            if err.errno == errno.EADDRNOTAVAIL:
+                return f"--bind {bind} is not an address of this machine ({err.strerror}); give one of its addresses, or [::] for all"
+            if err.errno == errno.EADDRINUSE:
+                return f"--port {port} is already in use on {bind}; choose another --port (0 picks a free one)"
+            if err.errno == errno.EACCES:
+                return f"--port {port} on {bind} needs privileges this process lacks ({err.strerror}); choose a --port of 1024 or more"
+            return f"cannot listen on {bind}:{port} ({err.strerror})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not torchft_installed():
         print(f"meshloom: error: `meshloom lighthouse` needs torchft, which is not installed; {EXTRA_HINT}", file=sys.stderr)
+        return 2
+    problem = bind_problem(args.bind, args.port)
+    if problem:
+        print(f"meshloom: error: {problem}", file=sys.stderr)
         return 2
     from torchft._torchft import LighthouseServer
 
@@ -62,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         )
     except RuntimeError as err:
-        print(f"meshloom: error: cannot start the Lighthouse on {args.bind}:{args.port} ({err}); choose another --port", file=sys.stderr)
+        print(f"meshloom: error: cannot start the Lighthouse on {args.bind}:{args.port} ({err})", file=sys.stderr)
         return 2
     print(f"lighthouse: serving at {server.address()} (min_replicas={args.min_replicas})", flush=True)
     stop = threading.Event()

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="write the loss curves as one PNG")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     args = parser.parse_args(argv)
+    _check_steps(args.steps, args.common, args.layout)
     # Both are checked before any training: a user's folder or file is never written into or replaced.
     if args.workdir is not None and args.workdir.exists() and (not args.workdir.is_dir() or any(args.workdir.iterdir())):
         raise UserError(f"parity: --workdir {args.workdir} is not an empty folder; the runs, data cache and curves go there: name a new or empty one")
@@ -44,3 +45,14 @@ def main(argv: list[str] | None = None) -> int:
             layout_parity.plot(reference, comparisons, tmp)
         print(f"plot: {args.plot}")
     return 0 if all(c.ok for c in comparisons) else 1
+
+
+def _check_steps(steps: int, common: str, layouts: list[str]) -> None:
+    """Every run of the comparison trains --steps steps: fewer than one is refused, and so is a training.steps in
+    --common or a --layout, which would silently change it for some runs."""
+    if steps < 1:
+        raise UserError(f"parity: --steps must be >= 1 (the steps every run trains), got {steps}")
+    for flag, spec in [("--common", common), *(("--layout", layout) for layout in layouts)]:
+        if "training.steps" in layout_parity.ParityCase.parse(spec).settings:
+            raise UserError(f"parity: {flag} {spec!r} sets training.steps; every run trains --steps steps, so pass --steps instead")
+

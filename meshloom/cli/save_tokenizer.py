@@ -10,13 +10,14 @@ corpus) with data.vocab_size ids, or read from data.cache_dir when a run has alr
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
 from meshloom.output import Inputs, check_output_file, config_inputs, write_output_file
 from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.loader import load_config, split_config_args
-from meshloom.config.schema import DataConfig
+from meshloom.config.schema import Config, DataConfig
 from meshloom.data.build import run_tokenizer
 from meshloom.data.tokenizer import HFTokenizer
 
@@ -53,12 +54,46 @@ def main(argv: list[str] | None = None) -> int:
     own, config_args = split_config_args(argv)
     args = parser.parse_args(own)
     try:
-        path = save_tokenizer(load_config(config_args).data, args.output, args.overwrite, config_inputs(config_args))
+        config = load_config(config_args)
+        path = save_tokenizer(config.data, args.output, args.overwrite, config_inputs(config_args))
     except UserError as err:
         print(f"meshloom: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {path}; use it with --data.tokenizer {path}")
+    refused = settings_refused_beside_a_file(config, path)
+    drop = f", and drop {' and '.join(refused)} from the run's settings (beside a tokenizer file a run refuses it)" if refused else ""
+    print(f"wrote {path}; use it with --data.tokenizer {path}{drop}")
     return 0
+
+
+def settings_refused_beside_a_file(config: Config, path: Path) -> list[str]:
+    """The settings the user gave that act with the built-in tokenizer but would be refused beside the tokenizer
+    file (the declaration's scopes, asked for the run as given and with data.tokenizer = path): the suggestion
+    printed after saving must be one a run accepts."""
+    from meshloom.config.schema import ParallelismConfig
+    from meshloom.parallel.dims import ParallelDims
+    from meshloom.planning.features import Facts
+    from meshloom.planning.setting_scopes import refuse_idle_settings
+
+    def refused(candidate: Config) -> set[str]:
+        found: set[str] = set()
+        candidate.given = set(config.given or ())
+        # One refusal at a time: take each refused key out and ask again. The degrees and experts are the same in
+        # both runs asked, so only what the tokenizer changes differs.
+        for _ in range(len(candidate.given) + 1):
+            try:
+                refuse_idle_settings(Facts(candidate, ParallelDims.from_config(ParallelismConfig(), 1), n_experts=0))
+                break
+            except ConfigError as err:
+                key = str(err).split(" ", 1)[0]
+                if key not in candidate.given:
+                    break
+                found.add(key)
+                candidate.given.discard(key)
+        return found
+
+    with_file = copy.deepcopy(config)
+    with_file.data.tokenizer = str(path)
+    return sorted(refused(with_file) - refused(copy.deepcopy(config)))
 
 
 if __name__ == "__main__":

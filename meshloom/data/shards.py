@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +49,17 @@ def parse_shards_setting(value: str) -> list[tuple[str, float]]:
         sources.append((folder, parsed))
     if not sources:
         raise UserError("data.shards is empty; give prepared folders, e.g. data.shards = \"shards/web:3,shards/code:1\"")
+    # One folder listed twice (the same spelling, or another path to it: ./web, an absolute path, a link) would be
+    # two sources with one folder's documents, drawn at the sum of their weights without a word.
+    seen: dict[str, str] = {}
+    for folder, _ in sources:
+        real = os.path.realpath(folder)
+        if real in seen:
+            raise UserError(
+                f"data.shards lists the folder {real} twice (as {seen[real]} and {folder}); list each source once, with "
+                f"the weight it should have"
+            )
+        seen[real] = folder
     return sources
 
 

@@ -90,8 +90,9 @@ def _weights(stage: dict[str, Any], where: str, names: list[str], folders: list[
     return tuple(weights)
 
 
-def build_mixture(config: DataConfig, samples_per_step: int, seq_len: int) -> Mixture:
-    """The checked mixture of a `data.dataset = "shards"` run (no file is read)."""
+def build_mixture(config: DataConfig, samples_per_step: int, seq_len: int, total_steps: int | None = None) -> Mixture:
+    """The checked mixture of a `data.dataset = "shards"` run (no file is read). With `total_steps` (training.steps),
+    a stage that would start only after the last step is refused: it would never run."""
     from meshloom.data.shards import parse_shards_setting  # shards.py builds on this module
 
     specs = parse_shards_setting(config.shards)
@@ -126,6 +127,11 @@ def build_mixture(config: DataConfig, samples_per_step: int, seq_len: int) -> Mi
                 f"{where} starts at sample {start}, inside data.stages[{i - 1}]'s linear transition (until sample "
                 f"{settled}); start it later or shorten that transition"
             )
+        if total_steps is not None and start >= total_steps * samples_per_step:
+            raise UserError(
+                f"{where} starts at sample {start} (step {start // samples_per_step + 1}), after the last step "
+                f"(training.steps = {total_steps}), so it would never run; start it earlier, raise training.steps or drop the stage"
+            )
         stages.append(Stage(start, _weights(stage, where, names, folders), ramp or 0))
     if len(stages) > 1 and stages[1].start == 0 and not stages[1].ramp:  # a stage at step 0 replaces data.shards's weights
         stages = stages[1:]
@@ -138,8 +144,8 @@ def build_mixture(config: DataConfig, samples_per_step: int, seq_len: int) -> Mi
     return Mixture(names, stages, max_epochs, config.on_exhausted == "drop")
 
 
-def check_mixture_settings(config: DataConfig, samples_per_step: int, seq_len: int) -> None:
-    """RunPlan.build's check: the mixture settings are sound (that they belong to a shards run is declared in
-    meshloom/planning/features.py)."""
+def check_mixture_settings(config: DataConfig, samples_per_step: int, seq_len: int, total_steps: int) -> None:
+    """RunPlan.build's check: the mixture settings are sound, and every stage starts within training.steps (that
+    they belong to a shards run is declared in meshloom/planning/features.py)."""
     if config.dataset == "shards":
-        build_mixture(config, samples_per_step, seq_len)
+        build_mixture(config, samples_per_step, seq_len, total_steps)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshloom.config.errors import UserError
 from meshloom.launch.cluster import ClusterShape
 from meshloom.launch.torchrun import torchrun_args
 
@@ -50,14 +49,6 @@ def train_job(name: str, image: str, shape: ClusterShape, command: list[str], vo
         job = {"name": NODE, "template": {"spec": {"template": {"spec": pod}}}}
         spec["runtimePatches"] = [{"manager": "meshloom", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}}}]
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": name}, "spec": spec}
-
-
-def check_name(name: str) -> None:
-    """A TrainJob name is a DNS label: lower-case letters, digits and '-', starting with a letter, at most 63 long."""
-    import re
-
-    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", name):
-        raise UserError(f"--name {name!r} is not a valid TrainJob name; use lower-case letters, digits and '-', starting with a letter")
 
 
 def validate(manifest: dict[str, Any]) -> Any:

@@ -12,8 +12,14 @@ RENDEZVOUS = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "$HEAD_NODE:$RDZV_POR
 
 
 def _shell_words(words: list[str]) -> str:
-    """Quote each word, except that $VARIABLES stay expandable (inside double quotes)."""
-    return " ".join(f'"{w}"' if "$" in w else shlex.quote(w) for w in words)
+    """Every word quoted for the shell (shlex.quote), so nothing a user typed is expanded or run; only the words of
+    the rendezvous, which are this module's own, keep their $VARIABLES expandable (inside double quotes)."""
+    return " ".join(f'"{w}"' if w in RENDEZVOUS and "$" in w else shlex.quote(w) for w in words)
+
+
+def _comment(text: str) -> str:
+    """`text` as comment lines: a line break in it (from an argument) cannot end the comment and start a command."""
+    return "\n".join(f"# {line}" for line in text.replace("\r", "\n").split("\n"))
 
 
 def sbatch_script(name: str, shape: ClusterShape, max_restarts: int, train: list[str], note: str) -> str:
@@ -24,7 +30,7 @@ def sbatch_script(name: str, shape: ClusterShape, max_restarts: int, train: list
     keep = "#SBATCH --no-kill\n" if shape.elastic else ""
     kill_on_bad_exit = 0 if shape.elastic else 1
     return f"""#!/bin/bash
-# {note}
+{_comment(note)}
 # Submit from the directory the recipe path is relative to:  sbatch {{this file}}
 # TORCHRUN (default .venv/bin/torchrun) and RDZV_PORT (default 29500) may be set in the environment.
 #SBATCH --job-name={name}

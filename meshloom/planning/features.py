@@ -325,7 +325,7 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(
         "moe_aux_loss", "cp",
         "the sequence-wise balance loss needs whole sequences, which context parallel splits",
-        "set moe.aux_loss_coef = 0 or parallelism.cp = 1",
+        "set moe.aux_loss_coef = 0 (and balance with the routing bias, e.g. moe.bias_update_rate = 0.001) or parallelism.cp = 1",
     ),
     Conflict(
         "ac_whole_blocks", "compile",

@@ -89,7 +89,7 @@ class RunPlan:
         check_activation_checkpoint_config(config.activation_checkpoint)
         check_profiling_config(config.profiling)
         check_sampling_settings(config.validation)
-        check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len)
+        check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len, tc.steps)
         check_tokenizer_file_fits(config.data, args.vocab_size)
         plan = cls(config, world_size, spec, args, dims, accumulation, pipeline)
         return replace(plan, kernels=check_device_settings(plan, device))

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from meshloom.checkpoint.dcp import Checkpointer, checkpoint_root
 from meshloom.checkpoint.hf_export import HFExporter
+from meshloom.checkpoint.resume_settings import apply_settings_after_load, hyperparameters
 from meshloom.checkpoint.state import TrainingParts, TrainProgress
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
@@ -103,12 +104,15 @@ class Trainer:
         self.checkpointer.bind(TrainingParts(
             self.model_parts, self.optimizers, self.lr_scheduler, self.progress, self.data.train, self.dp_rank
         ))  # fmt: skip
+        before = hyperparameters(self.optimizers)
         self.checkpointer.load()  # resume, or an initial load of weights
+        if self.checkpointer.loaded_from is not None:  # a resume acts on the optimizer's and schedule's new settings
+            apply_settings_after_load(self.optimizers, self.lr_scheduler, before)
         check_data_lasts(self.data.train, config.training.steps, self.tokens_per_step * self.replicas.group_size // config.training.seq_len)
         self._build_observers()
         self.replicas.bind(ReplicaState(self.checkpointer.parts), self.logger)
         self.sampler = build_prompt_sampler(self.plan, self.sample_prompts, self.data.tokenizer, self.model_parts, self.device, self.logger)
-        self.hf_exporter = HFExporter(self.plan, self.run_dir, self.model_parts, self.data.tokenizer)
+        self.hf_exporter = HFExporter(self.plan, self.run_dir, self.model_parts, self.data.tokenizer, lambda: self.checkpointer.lineage)
 
     @property
     def step(self) -> int:
