@@ -19,6 +19,7 @@ from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
 from meshloom.data.tokenizer import check_builtin_vocab_fits
 from meshloom.parallel.apply import carve_stage, parallelize
+from meshloom.planning.allocator import ALLOCATOR_RESERVE
 from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import GIB, MemoryEstimate, estimate_memory
@@ -51,7 +52,14 @@ class DryRunReport:
             f"  gathered weights           {m.gathered / GIB:10.2f} GiB",
             f"  activations                {m.activations / GIB:10.2f} GiB ({'CPU' if self.kernels == 'cpu' else 'GPU'} kernels)",
             f"  transient                  {m.transient / GIB:10.2f} GiB",
-            f"  peak                       {m.peak / GIB:10.2f} GiB (busiest pipeline stage)",
+            f"  peak                       {m.peak / GIB:10.2f} GiB allocated (busiest pipeline stage)",
+        ]
+        if self.kernels != "cpu":
+            lines.append(
+                f"  reserved                   {m.reserved / GIB:10.2f} GiB by the caching allocator "
+                f"(x{ALLOCATOR_RESERVE:g}, measured; meshloom.planning.allocator)"
+            )
+        lines += [
             f"  FLOPs per step             {self.model_flops:10.3e} model, {self.executed_flops:.3e} executed",
             "  communication per step (bytes one rank sends; the busiest pipeline stage in each dimension):",
         ]

@@ -6,19 +6,20 @@ Three things a GPU adds, each a stated constant with its source:
 - the CUDA context (driver state and the kernels loaded into it), outside PyTorch's allocator;
 - NCCL's buffers: every communicator a rank runs collectives on allocates its own per-channel, per-peer buffers,
   outside PyTorch's allocator too;
-- the caching allocator's reserve over what is allocated. With expandable segments (torchtitan's launcher sets
-  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`) a segment grows by 2 MiB pages as tensors need them (pytorch
-  PR #96995), so the reserve is page rounding, which this model leaves out. Without them, fragmentation depends on the
-  order of allocations and no published figure pins it down: it is what the fit rule's headroom stands for.
+- the caching allocator's reserve over what is allocated: `max_memory_reserved()` over `max_memory_allocated()`, a
+  measured ratio (meshloom.planning.allocator, ALLOCATOR_RESERVE).
 
-`torch.cuda.max_memory_reserved()` (what torchtitan logs as its memory) counts the allocator's segments only, so it
-compares with the estimate's peak; `device_bytes` is what the GPU must hold in all.
+The estimate's `peak` counts tensors (what `torch.cuda.max_memory_allocated()` reports; what the CPU measurement of
+benchmarks/RESULTS.md's whole-peak table sees); `MemoryEstimate.reserved` is what the allocator holds for it
+(`torch.cuda.max_memory_reserved()`, what torchtitan logs as its memory), and `device_bytes` what the GPU must hold in
+all: the reserved bytes, the CUDA context and NCCL's buffers. The fit rule applies to `device_bytes`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshloom.planning.allocator import reserved_bytes
 from meshloom.planning.memory_estimate import GIB
 
 if TYPE_CHECKING:
@@ -54,5 +55,6 @@ def gpu_added_bytes(layout: Layout) -> float:
 
 
 def device_bytes(peak: float, layout: Layout) -> float:
-    """What one GPU must hold for an estimated tensor peak of `peak` bytes under `layout`."""
-    return peak + gpu_added_bytes(layout)
+    """What one GPU must hold for an estimated tensor peak of `peak` bytes under `layout`: what the caching allocator
+    reserves for it, the CUDA context and NCCL's buffers."""
+    return reserved_bytes(peak, "cuda") + gpu_added_bytes(layout)
