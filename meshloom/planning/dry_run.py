@@ -100,15 +100,23 @@ def dry_run(config: Config, world_size: int, trains_tokenizer: bool = False) -> 
         if own_group:
             dist.destroy_process_group()
     tc = config.training
-    memory = estimate_memory(
-        shape, layout, tc.seq_len, precision, config.parallelism.loss_parallel, optimizer=config.optimizer.name
-    )
+    memory = estimate_for(config, world_size, plan)
     model_flops, executed_flops = step_flops(shape, layout, tc.seq_len)
     comm = step_comm_bytes(shape, layout, tc.seq_len, precision)
     rank_params = estimate_memory(shape, layout, tc.seq_len, precision, stage_index=0).params
     return DryRunReport(
         world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm,
         time.perf_counter() - start, precision.device,
+    )  # fmt: skip
+
+
+def estimate_for(config: Config, world_size: int, plan: RunPlan | None = None) -> MemoryEstimate:
+    """The memory estimate `meshloom train --dry-run` prints for `config` on `world_size` ranks (its busiest pipeline
+    stage), from the plan alone: no model is built."""
+    plan = plan or RunPlan.build(config, world_size)
+    return estimate_memory(
+        plan.shape(), layout_of(plan), config.training.seq_len, precision_from_config(config),
+        config.parallelism.loss_parallel, optimizer=config.optimizer.name,
     )  # fmt: skip
 
 

@@ -12,14 +12,14 @@ Three things a GPU adds, each a stated constant with its source:
 The estimate's `peak` counts tensors (what `torch.cuda.max_memory_allocated()` reports; what the CPU measurement of
 benchmarks/RESULTS.md's whole-peak table sees); `MemoryEstimate.reserved` is what the allocator holds for it
 (`torch.cuda.max_memory_reserved()`, what torchtitan logs as its memory), and `device_bytes` what the GPU must hold in
-all: the reserved bytes, the CUDA context and NCCL's buffers. The fit rule applies to `device_bytes`.
+all but the allocator's reserve: the allocated peak, the CUDA context and NCCL's buffers. The fit rule applies to
+`device_bytes` against the usable share of the GPU (the headroom), whose rest covers the allocator's reserve.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshloom.planning.allocator import reserved_bytes
 from meshloom.planning.memory_estimate import GIB
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ def gpu_added_bytes(layout: Layout) -> float:
 
 
 def device_bytes(peak: float, layout: Layout) -> float:
-    """What one GPU must hold for an estimated tensor peak of `peak` bytes under `layout`: what the caching allocator
-    reserves for it, the CUDA context and NCCL's buffers."""
-    return reserved_bytes(peak, "cuda") + gpu_added_bytes(layout)
+    """What one GPU holds beyond the caching allocator's reserve for an estimated tensor peak of `peak` bytes (allocated)
+    under `layout`: the peak, the CUDA context and NCCL's buffers. The fit rule compares this with the usable share of
+    the GPU (`Cluster.headroom`, 90% by default), whose rest covers the allocator's reserve over the allocated peak
+    (ALLOCATOR_RESERVE, 1.05 measured with no allocator retries) and fragmentation beyond it."""
+    return peak + gpu_added_bytes(layout)

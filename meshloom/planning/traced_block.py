@@ -20,6 +20,7 @@ seconds), so each is cached per (family, model args, block, mode, dtypes, Float8
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -62,6 +63,15 @@ def _spec_of(args):
     raise UserError(f"no registered model family has arguments of type {type(args).__name__}")
 
 
+def _up_to(args, layer: int):
+    """`args` with the blocks after `layer` cut off (building a 61-block model only to keep one of them takes seconds),
+    where the family's arguments allow it (not, e.g., DeepSeek-V3's below its dense blocks); else `args`."""
+    try:
+        return dataclasses.replace(args, n_layers=layer + 1) if layer + 1 < args.n_layers else args
+    except (TypeError, ValueError):  # the family's own check of its arguments (ConfigError and UserError among them)
+        return args
+
+
 def _one_block_stage(args, layer: int, kind: str, ac: str, float8: str | None) -> tuple[nn.Module, nn.Module]:
     """A meta-device model cut down to block `layer` (no embedding, no head), with Float8 and checkpointing applied in
     the trainer's order (meshloom.parallel.apply.parallelize), its weights in the dtype `kind` gives them."""
@@ -72,7 +82,7 @@ def _one_block_stage(args, layer: int, kind: str, ac: str, float8: str | None) -
 
     spec = _spec_of(args)
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.model_cls(_up_to(args, layer))
     carve_stage(model, spec.parallel, [layer], first=False, last=False)
     if float8 is not None:
         convert_to_float8(model, Float8Config(enable=True, recipe=float8), fsdp=False, tp=1)
@@ -137,14 +147,20 @@ def _eager_total(args, layer: int, ac: str, kind: str, float8: str | None, token
     return sum(size for key, size in stored.items() if key not in own)
 
 
+# The two sequence lengths an eager block is run at: what autograd saves in eager mode is a fixed set of tensors for
+# any length, each growing with the tokens (or the square of them, for attention without a fused kernel, which
+# autocast's fp32 residual stream does not change), so two lengths separate it from the weights' casts.
+EAGER_TOKENS = (256, 512)
+
+
 @functools.lru_cache(maxsize=1024)
 def _eager_cached(key: tuple, args_holder: _Args) -> SavedBytes:
-    layer, ac, kind, float8, tokens = key[2:]
-    # Two lengths: what grows with the tokens, and what does not (the block's weight casts).
-    small = _eager_total(args_holder.args, layer, ac, kind, float8, tokens // 2)
-    full = _eager_total(args_holder.args, layer, ac, kind, float8, tokens)
-    per_token = (full - small) / (tokens - tokens // 2)
-    return SavedBytes(per_token, int(full - per_token * tokens))
+    layer, ac, kind, float8 = key[2:]
+    short, long = (min(tokens, args_holder.args.max_seq_len // (2 - i)) for i, tokens in enumerate(EAGER_TOKENS))
+    small = _eager_total(args_holder.args, layer, ac, kind, float8, short)
+    full = _eager_total(args_holder.args, layer, ac, kind, float8, long)
+    per_token = (full - small) / (long - short)
+    return SavedBytes(per_token, int(full - per_token * long))
 
 
 class _Args:
@@ -160,12 +176,12 @@ class _Args:
         return isinstance(other, _Args) and other.key == self.key
 
 
-def eager_block_saved(args, layer: int, ac: str, kind: str, float8: str | None, tokens: int) -> SavedBytes:
+def eager_block_saved(args, layer: int, ac: str, kind: str, float8: str | None) -> SavedBytes:
     """What block `layer` of the model `args` describes keeps for backward in eager mode (checkpointing mode `ac`, dtypes
-    `kind`, Float8 recipe or None), for a sequence of `tokens`. Under checkpointing the block's own hooks hold its
-    tensors, so only the input it keeps is seen here: use it for ac "none"."""
+    `kind`, Float8 recipe or None), per token (at EAGER_TOKENS). Under checkpointing the block's own hooks hold its
+    tensors, which are not seen here: use it for ac "none"."""
     holder = _Args(args)
-    return _eager_cached(("eager", holder.key, layer, ac, kind, float8, tokens), holder)
+    return _eager_cached(("eager", holder.key, layer, ac, kind, float8), holder)
 
 
 def _view_base(node):

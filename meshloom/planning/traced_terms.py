@@ -96,8 +96,8 @@ def block_bytes_per_token(shape: ShapeModel, layer: int, mode: str, tp: int, a: 
         widened = (FP32 - BF16) * shape.dim / tp if setting.kind == "autocast" else 0.0
         return counted + widened
     first = _first_of_kind(shape, layer)
-    own = eager_block_saved(shape.args, first, "none", setting.kind, setting.float8, setting.tokens).per_token
-    ref = eager_block_saved(shape.args, first, "none", reference, None, setting.tokens).per_token
+    own = eager_block_saved(shape.args, first, "none", setting.kind, setting.float8).per_token
+    ref = eager_block_saved(shape.args, first, "none", reference, None).per_token
     return counted + (own - ref) / tp
 
 
@@ -117,7 +117,7 @@ def block_weight_copies(shape: ShapeModel, layer: int, mode: str, setting: Trace
     first = _first_of_kind(shape, layer)
     if setting.compile:
         return _compiled(shape, layer, mode, setting).weights
-    return eager_block_saved(shape.args, first, "none", setting.kind, setting.float8, setting.tokens).weights
+    return eager_block_saved(shape.args, first, "none", setting.kind, setting.float8).weights
 
 
 @dataclass(frozen=True)
