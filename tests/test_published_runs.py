@@ -44,7 +44,7 @@ MEMORY_OFF = {
     "Llama 3.1 8B, FSDP 8 (eager)": f"0.88: {TITAN_8B}",
     "Llama 3.1 8B, FSDP 8, compile (bf16)": f"0.89 (0.887): {TITAN_8B}",
     "Llama 3.1 8B, FSDP 8, compile + Float8": f"0.88: {TITAN_8B}",
-    "Llama 3.1 70B, FSDP 32 x TP 8, Float8": "0.85: 11 GiB not named; under TP 8 the compiled block is the traced "
+    "Llama 3.1 70B, FSDP 32 x TP 8, Float8": "0.84: 11 GiB not named; under TP 8 the compiled block is the traced "
     "unsharded one in proportion to the shape model's TP share, not a trace of the sharded block",
     "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B": "0.75: the published 1F1B peak is 9.8 GiB above Interleaved "
     "1F1B's with the same settings, while the estimate has them within 1.7 GiB",
