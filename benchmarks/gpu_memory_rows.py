@@ -49,6 +49,19 @@ ROWS = [
 ]
 
 
+# The GPU campaign's next shapes (meshloom issue 43, item 7), not measured yet: their dry-run arguments, so that the
+# campaign prints their estimates next to what it measures; each becomes a `Row` once measured. The 8B keeps 8 of its
+# 32 blocks (model.n_layers) so that it fits one GPU at seq 8192; the Qwen3 MoE flavour keeps 4 of its 48.
+PENDING = {
+    "Llama 3.1 8B (8 of 32 blocks), seq 8192, 1 GPU, compile": "--world-size 1 --model.flavor 8B --model.n_layers 8 "
+    "--training.device cuda --training.mixed_precision bf16 --training.seq_len 8192 --training.local_batch_size 1 "
+    "--compile.enable true",
+    "Qwen3 30B-A3B (4 of 48 blocks), seq 4096, 1 GPU, compile": "--world-size 1 --model.name qwen3 --model.flavor "
+    "30B-A3B --model.n_layers 4 --training.device cuda --training.mixed_precision bf16 --training.seq_len 4096 "
+    "--training.local_batch_size 1 --compile.enable true",
+}
+
+
 def estimate(row: Row):
     """The dry run's memory estimate for `row` (what `meshloom train --dry-run <row.dry_run_args>` prints), without
     building the model."""
@@ -67,6 +80,10 @@ def main() -> None:
         alloc = f"{row.allocated_gib:6.1f} {peak:6.2f} {peak / row.allocated_gib:5.3f}" if row.allocated_gib else " " * 20
         print(f"{row.name:<52} {alloc} {row.reserved_gib:6.1f} {reserved:6.2f} {reserved / row.reserved_gib:5.3f}  "
               f"meshloom train --dry-run {row.dry_run_args}")  # fmt: skip
+    for name, args in PENDING.items():
+        memory = estimate(Row(name, args, None, 0.0, "not measured"))
+        print(f"{name:<52} {'-':>6} {memory.peak / GIB:6.2f} {'-':>5} {'-':>6} {memory.reserved / GIB:6.2f} {'-':>5}  "
+              f"meshloom train --dry-run {args}")  # fmt: skip
 
 
 if __name__ == "__main__":

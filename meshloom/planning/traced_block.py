@@ -242,7 +242,16 @@ def _saved_by_partitioner(args, layer: int, ac: str, kind: str, float8: str | No
 
 @functools.lru_cache(maxsize=1024)
 def _compiled_cached(key: tuple, args_holder: _Args) -> SavedBytes:
-    return _saved_by_partitioner(args_holder.args, *key[2:])
+    try:
+        return _saved_by_partitioner(args_holder.args, *key[2:])
+    except UserError:
+        raise
+    except Exception as err:  # torch's refusal, as one line naming the setting that asked for the trace
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"compile.enable: the memory estimate traces a compiled block of {type(args_holder.args).__name__} on fake "
+            f"tensors and torch refused it ({first}); set compile.enable = false to estimate the eager run"
+        ) from err
 
 
 def compiled_block_saved(args, layer: int, ac: str, kind: str, float8: str | None, tokens: int) -> SavedBytes:
