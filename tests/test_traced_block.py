@@ -65,3 +65,24 @@ def test_the_eager_trace_counts_what_an_autocast_block_saves():
     traced = eager_block_saved(args, 0, "none", "autocast", None)
     assert _real_saved_bytes("llama3", "tiny", "none", compiled=False) == traced.per_token * TOKENS + traced.weights
     assert traced.per_token > eager_block_saved(args, 0, "none", "bf16", None).per_token
+
+
+def test_fsdp_gathers_float8_weights_under_tensorwise_scaling_only():
+    """torchao all-gathers Float8 weights in float8 only with tensorwise scaling (its rowwise recipe casts after a bf16
+    gather): Llama 3 8B on FSDP 8, eager, the two blocks in flight gathered at 1 byte an element, or at 2."""
+    import math
+
+    from meshloom.planning.layout import Layout, Precision
+    from meshloom.planning.memory_estimate import estimate_memory
+
+    shape = get_model_spec("llama3").shape_model(get_model_args("llama3", "8B"))
+    base = Layout(dp_shard=8, ac="full")
+    gathered = {
+        recipe: estimate_memory(shape, Layout(dp_shard=8, ac="full", float8=recipe is not None,
+                                              float8_recipe=recipe or "tensorwise"), 2048, Precision("bf16")).gathered
+        for recipe in (None, "tensorwise", "rowwise")
+    }  # fmt: skip
+    block = sum(math.prod(p.shape) for p in shape.block_params(0))
+    assert gathered[None] - gathered["tensorwise"] == 2 * block  # two blocks in flight, 2 -> 1 byte an element
+    assert gathered["rowwise"] == gathered[None]
+    assert base.float8_all_gather  # float8.fsdp_float8_all_gather's default
