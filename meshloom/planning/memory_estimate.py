@@ -12,11 +12,13 @@ What one rank holds, by kind:
   Muon updates (every matrix the shape model does not mark `adamw`), two moments for the rest. Newton-Schulz's
   transient copies of whole matrices on their owner ranks (in optimizer.muon_ns_dtype) are not counted;
 - gathered: FSDP's unsharded copies in the compute dtype (two blocks in flight, plus the root's embedding
-  and output, which stay gathered from forward to backward), or autocast's bf16 weight copies without FSDP;
+  and output, which stay gathered from forward to backward), or autocast's bf16 weight copies without FSDP; under
+  compile or Float8, the copies of the blocks' weights the traced block keeps (`meshloom.planning.traced_terms`);
 - activations: the peak of what autograd keeps for backward, counted tensor by tensor from the model code
   (the family's `ShapeModel.block_activation_bytes_per_token`), for the activation-checkpointing mode and the microbatches
-  a pipeline rank holds at once. Under checkpointing that peak is usually not the end of forward but the
-  backward of the last block: its recomputed activations live next to the saved inputs of every block
+  a pipeline rank holds at once; under compile, Float8 or autocast over fp32 weights, what torch itself says a block
+  keeps (`meshloom.planning.traced_terms`: AOTAutograd's partitioner, autograd's saved tensors). Under
+  checkpointing that peak is usually not the end of forward but the backward of the last block: its recomputed activations live next to the saved inputs of every block
   (see `ShapeModel.block_recompute_bytes_per_token`); without it, the end of forward, where the fp32 logits are alive
   until the loss is taken (with a third vocabulary-wide tensor under loss parallel), or, on a pipeline stage
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
@@ -212,10 +214,12 @@ def estimate_memory(
         modes = layout.block_ac_modes(stage.block_ids)
         copies = [traced_terms.block_weight_copies(shape, layer, mode, setting) for layer, mode in zip(stage.block_ids, modes)]
         if copies and None not in copies:
+            # The traced block is unsharded: its weights' casts are split over tensor parallel like the weights.
+            kept = stage.inflight * sum(copies) / layout.tp
             if not sharded_data_parallel:
-                gathered = (2 if setting.kind == "autocast" else 0) * local_numel(roots, layout) + stage.inflight * sum(copies)
+                gathered = int((2 if setting.kind == "autocast" else 0) * local_numel(roots, layout) + kept)
             elif not float8_gather:
-                gathered += stage.inflight * sum(copies)
+                gathered += int(kept)
         vocab = shape.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else shape.vocab_size
         logits = precision.loss_bytes * vocab if stage.last else 0.0
         # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last
