@@ -10,9 +10,10 @@ torchtitan's, which the default stands on, and the logged ones), while the step-
 checkpointing's second forward included) at `Cluster.mfu`, so the figure is scaled by executed / model FLOPs of the
 row's layout.
 
-Memory: the estimate's peak counts tensors, as `torch.cuda.max_memory_reserved()` (what torchtitan logs) counts the
-caching allocator's segments, which torchtitan's launcher grows page by page (expandable segments); the CUDA context
-and NCCL's buffers lie outside both and enter the fit rule only (meshloom.planning.gpu_memory).
+Memory: the estimate's peak counts tensors (`torch.cuda.max_memory_allocated()`); what torchtitan logs is
+`torch.cuda.max_memory_reserved()`, the caching allocator's segments, so the estimate's reserved bytes (the peak times
+the allocator's measured reserve, meshloom.planning.allocator) are compared with it. The CUDA context and NCCL's buffers
+lie outside both and enter the fit rule only (meshloom.planning.gpu_memory).
 """
 
 from __future__ import annotations
@@ -119,28 +120,33 @@ def _run(name, model, flavor, gpus, seq, tps, source, note="", mfu=None, mfu_bas
                titan_op_sac=titan_op_sac, ac_open=ac_open, bandwidth=bandwidth, precision=precision)  # fmt: skip
 
 
+# torchtitan's train.py at that commit compiles the blocks only: "TODO: compiling loss function causes CUDA errors,
+# turning off for now".
+TITAN_PRECISION = Precision("bf16", compiled_loss=False)
 TITAN_SAC = "table 1: selective AC (torchtitan's op policy, every second matmul recomputed), local batch 2"
 TITAN_PP = ("table 5: local batch 32 as 8 microbatches of 4 (torchtitan's default: as many as the pipeline degree), "
-            "torchtitan's stage split, FSDP not resharding after forward under PP, full AC, Float8, async TP")  # fmt: skip
+            "torchtitan's stage split, FSDP not resharding after forward under PP, full AC, Float8, async TP (which "
+            "torchtitan runs under compile only)")  # fmt: skip
 
 RUNS = [
     _run("Llama 3.1 8B, FSDP 8 (eager)", "llama3", "8B", 8, 8192, 5762, TORCHTITAN, TITAN_SAC, memory=82.4,
-         gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2),
+         gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2, precision=TITAN_PRECISION),
     _run("Llama 3.1 8B, FSDP 8, compile (bf16)", "llama3", "8B", 8, 8192, 6667, TORCHTITAN, TITAN_SAC + "; compile",
-         memory=77.0, gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2),
+         memory=77.0, gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2,
+         compile=True, precision=TITAN_PRECISION),
     _run("Llama 3.1 8B, FSDP 8, compile + Float8", "llama3", "8B", 8, 8192, 8532, TORCHTITAN, TITAN_SAC + "; compile",
          memory=76.8, gpu_gib=TITAN_GPU_GIB, titan_op_sac=True, dp_shard=8, ac="selective_op", microbatch_size=2,
-         float8=True),
+         float8=True, compile=True, precision=TITAN_PRECISION),
     _run("Llama 3.1 70B, FSDP 32 x TP 8, Float8", "llama3", "70B", 256, 8192, 829, TORCHTITAN,
          "table 4: local batch 16 in one forward (no accumulation at that commit), full AC, compile, no async TP",
-         memory=71.9, gpu_gib=TITAN_GPU_GIB, dp_shard=32, tp=8, ac="full", microbatch_size=16, float8=True),
+         memory=71.9, gpu_gib=TITAN_GPU_GIB, dp_shard=32, tp=8, ac="full", microbatch_size=16, float8=True, compile=True, precision=TITAN_PRECISION),
     _run("Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B", "llama3", "405B", 512, 8192, 100, TORCHTITAN, TITAN_PP,
          memory=82.5, gpu_gib=TITAN_GPU_GIB, dp_shard=8, tp=8, pp=8, ac="full", microbatch_size=4, microbatches=8,
-         stage_layer_counts=TITAN_405B_SPLIT_1F1B, reshard_after_forward=False, float8=True),
+         stage_layer_counts=TITAN_405B_SPLIT_1F1B, reshard_after_forward=False, float8=True, compile=True, precision=TITAN_PRECISION),
     _run("Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, Interleaved 1F1B", "llama3", "405B", 512, 8192, 128, TORCHTITAN,
          TITAN_PP + "; 2 stages per rank", memory=72.7, gpu_gib=TITAN_GPU_GIB, dp_shard=8, tp=8, pp=8, ac="full",
          microbatch_size=4, microbatches=8, pipeline_schedule="Interleaved1F1B", stages_per_rank=2,
-         stage_layer_counts=TITAN_405B_SPLIT_INTERLEAVED, reshard_after_forward=False, float8=True),
+         stage_layer_counts=TITAN_405B_SPLIT_INTERLEAVED, reshard_after_forward=False, float8=True, compile=True, precision=TITAN_PRECISION),
     _run("DeepSeek-V3 16B, FSDP 8 x EP 8", "deepseek_v3", "16B", 8, 4096, 11636, TITAN_DSV3,
          "step-10 log line; local batch 4 and full AC assumed", mfu=0.205, mfu_basis="logged: 20.5% MFU (torchtitan's count)",
          dp_shard=8, ep=8, ac="full", microbatch_size=4),
@@ -218,9 +224,11 @@ class Prediction:
     layout: Layout
     # The step-time breakdown.
     time: StepTime
-    # Estimated tensor peak per GPU, GiB, and on which pipeline rank.
+    # Estimated tensor peak per GPU (allocated), GiB, and on which pipeline rank.
     peak_gib: float
     stage: int
+    # What the caching allocator reserves for that peak (meshloom.planning.allocator), GiB: what torchtitan logs.
+    reserved_gib: float
     # The peak with the CUDA context and NCCL's buffers (meshloom.planning.gpu_memory), GiB.
     device_gib: float
     # Whether it fits the planner's rule (Cluster.fits) on the run's GPUs.
@@ -235,7 +243,8 @@ def predict(run: Run, mfu: float | None = None) -> Prediction:
     time = step_time(shape, layout, run.seq_len, run.precision, cluster)
     memory = estimate_memory(shape, layout, run.seq_len, run.precision)
     device = device_bytes(memory.peak, layout)
-    return Prediction(layout, time, memory.peak / GIB, memory.stage, device / GIB, cluster.fits(memory.peak, layout))
+    return Prediction(layout, time, memory.peak / GIB, memory.stage, memory.reserved / GIB, device / GIB,
+                      cluster.fits(memory.peak, layout))  # fmt: skip
 
 
 def main() -> None:
@@ -244,7 +253,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"H100 SXM bf16 dense {H100_BF16_TFLOPS:g} TFLOP/s, nvlink_ib (300 / 45 GB/s per GPU; H800 rows 160 / 50); expert "
           "all-to-all overlapped (DeepEP: behind the expert matmuls; DualPipe: behind all compute); mfu: the executed-FLOP "
-          "rate; memory: the estimate's tensor peak against the published figure (torchtitan: max reserved); device: with "
+          "rate; memory: the estimate's reserved bytes (its tensor peak x the allocator's measured reserve) against the published "
+          "figure (torchtitan: max reserved); device: with "
           "the CUDA context and NCCL's buffers; fits: device <= 0.9 x the GPU's memory")  # fmt: skip
     print(f"{'run':<56} {'pub tok/s':>9} {'pred':>7} {'ratio':>5} {'mfu':>5} {'pub GiB':>7} {'est GiB':>7} {'ratio':>5} "
           f"{'device':>6} {'fits':>4}  notes")  # fmt: skip
@@ -253,9 +263,9 @@ def main() -> None:
         ratio = p.time.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu
         rate = cluster_of(run, p.layout, shape_of(run), args.mfu).mfu
         pub = f"{run.memory_gib:7.1f}" if run.memory_gib else f"{'-':>7}"
-        mem_ratio = f"{p.peak_gib / run.memory_gib:5.2f}" if run.memory_gib else f"{'-':>5}"
+        mem_ratio = f"{p.reserved_gib / run.memory_gib:5.2f}" if run.memory_gib else f"{'-':>5}"
         print(f"{run.name:<56} {run.tokens_per_s_per_gpu:>9,.0f} {p.time.tokens_per_s_per_gpu:>7,.0f} {ratio:>5.2f} {rate:>5.3f} "
-              f"{pub} {p.peak_gib:>7.1f} {mem_ratio} {p.device_gib:>6.1f} {'yes' if p.fits else 'NO':>4}  {run.note}; "
+              f"{pub} {p.reserved_gib:>7.1f} {mem_ratio} {p.device_gib:>6.1f} {'yes' if p.fits else 'NO':>4}  {run.note}; "
               f"MFU: {run.mfu_basis}" + (f"; compared with ac {p.layout.ac}" if p.layout != run.layout else ""))  # fmt: skip
         t = p.time
         print(f"    step {t.step:.2f} s = compute {t.compute:.2f} + exposed " + ", ".join(f"{d} {v:.2f}" for d, v in t.exposed.items() if v)

@@ -31,18 +31,25 @@ BENCH = _published_runs()
 RUNS = {run.name: run for run in BENCH.RUNS}
 
 # Rows the estimate does not fit or does not bring within 10%, and why (measured ratios in benchmarks/RESULTS.md).
+# The memory figures compared are the estimate's reserved bytes (its tensor peak x the allocator's reserve measured on
+# an H200, meshloom.planning.allocator) against torchtitan's logged max reserved.
 # Every published layout that ran fits the planner's rule (rows that do not would be listed here with why).
 NOT_FITTING: dict[str, str] = {}
+# torchtitan's 8B rows move as published (eager -> compile -4.2 GiB against -5.4, compile -> Float8 -0.4 against -0.2)
+# but all three lie about 12% below: no term of the estimate is missing that a CPU or H200 measurement shows, and
+# torchtitan's launcher at that commit sets no expandable segments, so its reserve over the allocated peak
+# (fragmentation) is not the H200's measured x1.05 and nothing published pins it down.
+TITAN_8B = "the allocator's reserve without expandable segments is not measured (see TITAN_8B)"
 MEMORY_OFF = {
-    "Llama 3.1 8B, FSDP 8 (eager)": "0.84: 13 GiB of the eager run not named; not in the sharded state (table 3's "
-    "128-GPU run holds 15.4 GiB less, the state's share being 14.0)",
-    "Llama 3.1 8B, FSDP 8, compile (bf16)": "0.90 (0.896): just below the bound",
-    "Llama 3.1 8B, FSDP 8, compile + Float8": "0.89",
-    "Llama 3.1 70B, FSDP 32 x TP 8, Float8": "0.80 with loss parallel's fused backward counted: 14 GiB not named",
-    "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B": "0.74: the published 1F1B peak is 9.8 GiB above Interleaved "
-    "1F1B's with the same settings, while the estimate has them within 1.6 GiB",
-    "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, Interleaved 1F1B": "0.87 with the loss stage's logits held for the one "
-    "microbatch torch's schedule keeps there at the rank's peak",
+    "Llama 3.1 8B, FSDP 8 (eager)": f"0.88: {TITAN_8B}",
+    "Llama 3.1 8B, FSDP 8, compile (bf16)": f"0.89 (0.887): {TITAN_8B}",
+    "Llama 3.1 8B, FSDP 8, compile + Float8": f"0.88: {TITAN_8B}",
+    "Llama 3.1 70B, FSDP 32 x TP 8, Float8": "0.84: 11 GiB not named; under TP 8 the compiled block is the traced "
+    "unsharded one in proportion to the shape model's TP share, not a trace of the sharded block",
+    "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B": "0.75: the published 1F1B peak is 9.8 GiB above Interleaved "
+    "1F1B's with the same settings, while the estimate has them within 1.7 GiB",
+    "Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, Interleaved 1F1B": "0.87: 9 GiB not named, with the loss stage's logits "
+    "held for the one microbatch torch's schedule keeps there at the rank's peak",
 }
 
 
@@ -62,7 +69,7 @@ def test_every_published_layout_that_ran_fits_the_planners_rule(name):
 @pytest.mark.parametrize("name", [_expected(name, MEMORY_OFF) for name, run in RUNS.items() if run.memory_gib])
 def test_published_memory_is_predicted_within_10_percent(name):
     run = RUNS[name]
-    ratio = BENCH.predict(run).peak_gib / run.memory_gib
+    ratio = BENCH.predict(run).reserved_gib / run.memory_gib
     assert 0.9 <= ratio <= 1.1, ratio
 
 

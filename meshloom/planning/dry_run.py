@@ -21,6 +21,7 @@ from meshloom.config.errors import ConfigError, UserError
 from meshloom.config.schema import Config
 from meshloom.data.tokenizer import check_builtin_vocab_fits
 from meshloom.parallel.apply import carve_stage, parallelize
+from meshloom.planning.allocator import ALLOCATOR_RESERVE
 from meshloom.planning.comm_estimate import COMM_DIMS, step_comm_bytes, step_flops
 from meshloom.planning.layout import layout_of, precision_from_config
 from meshloom.planning.memory_estimate import GIB, MemoryEstimate, estimate_memory
@@ -55,7 +56,14 @@ class DryRunReport:
             f"  gathered weights           {m.gathered / GIB:10.2f} GiB",
             f"  activations                {m.activations / GIB:10.2f} GiB ({'CPU' if self.kernels == 'cpu' else 'GPU'} kernels)",
             f"  transient                  {m.transient / GIB:10.2f} GiB",
-            f"  peak                       {m.peak / GIB:10.2f} GiB (busiest pipeline stage)",
+            f"  peak                       {m.peak / GIB:10.2f} GiB allocated (busiest pipeline stage)",
+        ]
+        if self.kernels != "cpu":
+            lines.append(
+                f"  reserved                   {m.reserved / GIB:10.2f} GiB by the caching allocator "
+                f"(x{ALLOCATOR_RESERVE:g}, measured; meshloom.planning.allocator)"
+            )
+        lines += [
             f"  FLOPs per step             {self.model_flops:10.3e} model, {self.executed_flops:.3e} executed",
             "  communication per step (bytes one rank sends; the busiest pipeline stage in each dimension):",
         ]
@@ -99,15 +107,23 @@ def dry_run(config: Config, world_size: int, trains_tokenizer: bool = False) -> 
         if own_group:
             dist.destroy_process_group()
     tc = config.training
-    memory = estimate_memory(
-        shape, layout, tc.seq_len, precision, config.parallelism.loss_parallel, optimizer=config.optimizer.name
-    )
+    memory = estimate_for(config, world_size, plan)
     model_flops, executed_flops = step_flops(shape, layout, tc.seq_len)
     comm = step_comm_bytes(shape, layout, tc.seq_len, precision)
     rank_params = estimate_memory(shape, layout, tc.seq_len, precision, stage_index=0).params
     return DryRunReport(
         world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm,
         time.perf_counter() - start, precision.device, plan.kernels.lines,
+    )  # fmt: skip
+
+
+def estimate_for(config: Config, world_size: int, plan: RunPlan | None = None) -> MemoryEstimate:
+    """The memory estimate `meshloom train --dry-run` prints for `config` on `world_size` ranks (its busiest pipeline
+    stage), from the plan alone: no model is built."""
+    plan = plan or RunPlan.build(config, world_size)
+    return estimate_memory(
+        plan.shape(), layout_of(plan), config.training.seq_len, precision_from_config(config),
+        config.parallelism.loss_parallel, optimizer=config.optimizer.name,
     )  # fmt: skip
 
 

@@ -6,13 +6,14 @@ Three things a GPU adds, each a stated constant with its source:
 - the CUDA context (driver state and the kernels loaded into it), outside PyTorch's allocator;
 - NCCL's buffers: every communicator a rank runs collectives on allocates its own per-channel, per-peer buffers,
   outside PyTorch's allocator too;
-- the caching allocator's reserve over what is allocated. With expandable segments (torchtitan's launcher sets
-  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`) a segment grows by 2 MiB pages as tensors need them (pytorch
-  PR #96995), so the reserve is page rounding, which this model leaves out. Without them, fragmentation depends on the
-  order of allocations and no published figure pins it down: it is what the fit rule's headroom stands for.
+- the caching allocator's reserve over what is allocated: `max_memory_reserved()` over `max_memory_allocated()`, a
+  measured ratio (meshloom.planning.allocator, ALLOCATOR_RESERVE).
 
-`torch.cuda.max_memory_reserved()` (what torchtitan logs as its memory) counts the allocator's segments only, so it
-compares with the estimate's peak; `device_bytes` is what the GPU must hold in all.
+The estimate's `peak` counts tensors (what `torch.cuda.max_memory_allocated()` reports; what the CPU measurement of
+benchmarks/RESULTS.md's whole-peak table sees); `MemoryEstimate.reserved` is what the allocator holds for it
+(`torch.cuda.max_memory_reserved()`, what torchtitan logs as its memory), and `device_bytes` what the GPU must hold in
+all but the allocator's reserve: the allocated peak, the CUDA context and NCCL's buffers. The fit rule applies to
+`device_bytes` against the usable share of the GPU (the headroom), whose rest covers the allocator's reserve.
 """
 
 from __future__ import annotations
@@ -54,5 +55,8 @@ def gpu_added_bytes(layout: Layout) -> float:
 
 
 def device_bytes(peak: float, layout: Layout) -> float:
-    """What one GPU must hold for an estimated tensor peak of `peak` bytes under `layout`."""
+    """What one GPU holds beyond the caching allocator's reserve for an estimated tensor peak of `peak` bytes (allocated)
+    under `layout`: the peak, the CUDA context and NCCL's buffers. The fit rule compares this with the usable share of
+    the GPU (`Cluster.headroom`, 90% by default), whose rest covers the allocator's reserve over the allocated peak
+    (ALLOCATOR_RESERVE, 1.05 measured with no allocator retries) and fragmentation beyond it."""
     return peak + gpu_added_bytes(layout)

@@ -51,11 +51,18 @@ class Layout:
     grad_accum_steps: int = 1
     # optimizer.name: AdamW keeps two moments per parameter, Muon one momentum buffer per hidden matrix.
     optimizer: str = "AdamW"
-    # float8.enable: the blocks' linear layers in float8 (tensorwise, weights all-gathered in float8 under FSDP).
+    # float8.enable: the blocks' linear layers in float8 (torchao's Float8Linear).
     float8: bool = False
     # FSDP frees a block's gathered weights after its forward (False: kept to the end of backward, as the
     # zero-bubble pipeline schedules require).
     reshard_after_forward: bool = True
+    # float8.recipe: "tensorwise" or "rowwise" scaling (what Float8Linear saves for backward differs).
+    float8_recipe: str = "tensorwise"
+    # Under FSDP, Float8 weights are all-gathered in float8 (tensorwise with float8.fsdp_float8_all_gather only);
+    # otherwise in the compute dtype and cast inside each linear.
+    float8_all_gather: bool = True
+    # compile.enable: each block compiled (its saved tensors are what AOTAutograd's partitioner keeps) and the loss too.
+    compile: bool = False
 
     @property
     def world_size(self) -> int:
@@ -94,7 +101,8 @@ class Layout:
             text += f" {self.pipeline_schedule}"
         if self.optimizer != "AdamW":
             text += f" {self.optimizer}"
-        return text + (" float8" if self.float8 else "")
+        text += f" float8 {self.float8_recipe}" if self.float8 else ""
+        return text + (" compile" if self.compile else "")
 
     def block_ac_modes(self, block_ids: range) -> list[str]:
         """The checkpointing mode of each block, by its index in the whole model (the rule of
@@ -125,6 +133,10 @@ class Precision:
     # parallelizer shards experts only over an ep_shard mesh larger than 1 and passes them to the block as ignored
     # parameters), so their gradients are autograd's, in the parameters' dtype, and nothing gathers them.
     fsdp_wraps_whole_experts: bool = True
+    # Whether compile (Layout.compile) compiles the loss too: meshloom's build_loss_fn does (unless loss parallel
+    # keeps it eager); torchtitan's train.py of December 2024 left it eager ("compiling loss function causes CUDA
+    # errors, turning off for now").
+    compiled_loss: bool = True
 
     @property
     def compute_bytes(self) -> int:
@@ -154,7 +166,7 @@ def layout_of(plan: RunPlan) -> Layout:
     return Layout(
         dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ac, microbatch_size, microbatches, schedule,
         every_k_layers, dims.ep, stages_per_rank, counts, plan.grad_accum_steps, config.optimizer.name,
-        config.float8.enable, reshard,
+        config.float8.enable, reshard, config.float8.recipe, config.float8.fsdp_float8_all_gather, config.compile.enable,
     )  # fmt: skip
 
 
@@ -183,7 +195,8 @@ def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
         },
         "optimizer": {"name": layout.optimizer},
         "activation_checkpoint": {"mode": layout.ac},
-        "float8": {"enable": layout.float8},
+        "float8": {"enable": layout.float8, "recipe": layout.float8_recipe,
+                   "fsdp_float8_all_gather": layout.float8_all_gather},
     }
     if layout.ac == "selective_layer":
         settings["activation_checkpoint"]["every_k_layers"] = layout.every_k_layers

@@ -12,11 +12,13 @@ What one rank holds, by kind:
   Muon updates (every matrix the shape model does not mark `adamw`), two moments for the rest. Newton-Schulz's
   transient copies of whole matrices on their owner ranks (in optimizer.muon_ns_dtype) are not counted;
 - gathered: FSDP's unsharded copies in the compute dtype (two blocks in flight, plus the root's embedding
-  and output, which stay gathered from forward to backward), or autocast's bf16 weight copies without FSDP;
+  and output, which stay gathered from forward to backward), or autocast's bf16 weight copies without FSDP; under
+  compile or Float8, the copies of the blocks' weights the traced block keeps (`meshloom.planning.traced_terms`);
 - activations: the peak of what autograd keeps for backward, counted tensor by tensor from the model code
   (the family's `ShapeModel.block_activation_bytes_per_token`), for the activation-checkpointing mode and the microbatches
-  a pipeline rank holds at once. Under checkpointing that peak is usually not the end of forward but the
-  backward of the last block: its recomputed activations live next to the saved inputs of every block
+  a pipeline rank holds at once; under compile, Float8 or autocast over fp32 weights, what torch itself says a block
+  keeps (`meshloom.planning.traced_terms`: AOTAutograd's partitioner, autograd's saved tensors). Under
+  checkpointing that peak is usually not the end of forward but the backward of the last block: its recomputed activations live next to the saved inputs of every block
   (see `ShapeModel.block_recompute_bytes_per_token`); without it, the end of forward, where the fp32 logits are alive
   until the loss is taken (with a third vocabulary-wide tensor under loss parallel), or, on a pipeline stage
   without the loss, inside its last block when that block's short-lived tensors (a MoE block's routed token
@@ -34,14 +36,20 @@ step (gradients, plus on CPU the foreach AdamW's temporary copy of its parameter
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 
 from meshloom.config.errors import UserError
 from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
 from meshloom.planning.param_counts import in_fsdp, largest_chunk, local_numel
+from meshloom.planning.block_cache import (
+    _attention_backward, _block_activation, _mixer_recompute, _recompute_peak, _with_context_parallel,
+    _with_math_attention, cached_block_params, cached_mlp_params, cached_root_params, describes_mlp, is_moe_block,
+    rank_root_params,
+)  # fmt: skip
 from meshloom.planning.pipeline_stages import ALL_FORWARDS_FIRST, StageShape, pipeline_stages
+from meshloom.planning import traced_terms
+from meshloom.planning.allocator import reserved_bytes
 
 ADAM_MOMENTS = 2
 MUON_MOMENTS = 1
@@ -63,6 +71,8 @@ class MemoryEstimate:
     peak: int
     # The pipeline rank these bytes are for (the busiest one unless a rank was asked for).
     stage: int = 0
+    # What the caching allocator reserves for that peak on a GPU (meshloom.planning.allocator); the peak on CPU.
+    reserved: int = 0
 
     def gib(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name != "stage"}
@@ -111,72 +121,6 @@ def root_activation_bytes_per_token(
 # ---------------------------------------------------------------------------------------------------------
 
 
-# The planner asks for the same blocks' bytes for thousands of layouts.
-_block_activation = functools.lru_cache(maxsize=65536)(
-    lambda shape, layer, mode, tp, a: shape.block_activation_bytes_per_token(layer, mode, tp, a)
-)
-_recompute_peak = functools.lru_cache(maxsize=65536)(
-    lambda shape, layer, mode, tp, a, ep: shape.block_recompute_bytes_per_token(layer, mode, tp, a, ep)
-)
-
-_attention_backward = functools.lru_cache(maxsize=65536)(
-    lambda shape, layer, mode, tp, a: shape.block_attention_backward_bytes_per_token(layer, mode, tp, a)
-)
-_mixer_recompute = functools.lru_cache(maxsize=65536)(
-    lambda shape, layer, mode, tp, a: shape.block_mixer_recompute_bytes_per_token(layer, mode, tp, a)
-)
-
-_BLOCK_KINDS: dict[tuple[ParamShape, ...], tuple[ParamShape, ...]] = {}
-
-
-@functools.lru_cache(maxsize=4096)
-def cached_block_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
-    """A block's parameters, kept (a shape model is fixed once built), and the same object for equal blocks."""
-    params = tuple(shape.block_params(layer))
-    return _BLOCK_KINDS.setdefault(params, params)
-
-
-@functools.lru_cache(maxsize=4096)
-def cached_mlp_params(shape: ShapeModel, layer: int) -> tuple[ParamShape, ...]:
-    """A block's MLP parameters (`ShapeModel.block_mlp_params`), kept like the block's."""
-    return tuple(shape.block_mlp_params(layer))
-
-
-@functools.lru_cache(maxsize=256)
-def describes_mlp(shape: ShapeModel) -> bool:
-    """Whether the family gives its blocks' MLP parameters (`ShapeModel.block_mlp_params`)."""
-    return any(cached_mlp_params(shape, layer) for layer in range(shape.n_layers))
-
-
-@functools.lru_cache(maxsize=256)
-def cached_root_params(shape: ShapeModel, first: bool, last: bool) -> tuple[ParamShape, ...]:
-    """The embedding, output and whatever else the family keeps at the ends of a stage, kept like the blocks'."""
-    return tuple(shape.root_params(first, last))
-
-
-def rank_root_params(shape: ShapeModel, stage: StageShape) -> tuple[ParamShape, ...]:
-    """The ends a pipeline rank holds. A V schedule's rank 0 holds the first and the last stage as two model parts,
-    each built with its own ends (the last one's copy of the embedding included, where the family keeps one)."""
-    if stage.first and stage.last and len(stage.stages) > 1:
-        return cached_root_params(shape, True, False) + cached_root_params(shape, False, True)
-    return cached_root_params(shape, stage.first, stage.last)
-
-
-@functools.lru_cache(maxsize=64)
-def _with_math_attention(shape: ShapeModel, seq_len: int) -> ShapeModel:
-    return shape.with_math_attention(seq_len)
-
-
-@functools.lru_cache(maxsize=64)
-def _with_context_parallel(shape: ShapeModel, cp: int, seq_len: int) -> ShapeModel:
-    return shape.with_context_parallel(cp, seq_len)
-
-
-@functools.lru_cache(maxsize=4096)
-def is_moe_block(shape: ShapeModel, layer: int) -> bool:
-    return any(p.expert for p in cached_block_params(shape, layer))
-
-
 def gathered_in_backward(units: list[int], position: int, stage: StageShape, block_bytes: int, roots_bytes: int) -> int:
     """FSDP's gathered weights inside the backward of a rank's block at `position` (`units`: each block's unsharded
     elements): the block's own, the block before it gathered ahead (prefetched) except before the first block of a
@@ -210,6 +154,8 @@ def estimate_memory(
     fsdp = layout.fsdp
     sharded_data_parallel = fsdp > 1 or layout.dp_replicate > 1
     accumulate = layout.microbatches > 1
+    # Compile, Float8 and autocast over fp32 weights: terms asked of torch (meshloom.planning.traced_terms).
+    setting = traced_terms.traced_setting(layout, precision, seq_len)
     # Routed experts FSDP leaves whole stay out of it where the framework says so (Precision.fsdp_wraps_whole_experts):
     # never gathered, their gradients autograd's own.
     experts_out = not precision.fsdp_wraps_whole_experts and layout.ep > 1 and max(1, fsdp // layout.ep) == 1
@@ -254,23 +200,44 @@ def estimate_memory(
         if sharded_data_parallel:
             # Two blocks in flight (current + prefetched) and the root's parameters kept for backward; every block
             # when they stay gathered from forward to backward. Float8 gathers the blocks' matrices in float8.
-            block_bytes = FLOAT8 if layout.float8 else a
+            # torchao all-gathers in float8 under tensorwise scaling only (its rowwise recipe casts after the gather).
+            float8_gather = layout.float8 and layout.float8_recipe == "tensorwise" and layout.float8_all_gather
+            block_bytes = FLOAT8 if float8_gather else a
             in_flight = gathered_blocks if not layout.reshard_after_forward else gathered_blocks[:2]
             gathered = block_bytes * sum(in_flight) + a * local_numel(roots, layout, fsdp=1)
         elif precision.mixed_precision == "bf16":
             gathered = 2 * full_elems  # autocast's bf16 weight copies, kept for backward
         else:
             gathered = 0
+        # Copies of the blocks' weights a compiled graph or Float8Linear keeps for backward, per microbatch in flight
+        # (traced; a gathered float8 weight is FSDP's own buffer): they replace autocast's without FSDP.
+        modes = layout.block_ac_modes(stage.block_ids)
+        copies = [traced_terms.block_weight_copies(shape, layer, mode, setting) for layer, mode in zip(stage.block_ids, modes)]
+        if copies and None not in copies:
+            # The traced block is unsharded: its weights' casts are split over tensor parallel like the weights.
+            kept = stage.inflight * sum(copies) / layout.tp
+            if not sharded_data_parallel:
+                gathered = int((2 if setting.kind == "autocast" else 0) * local_numel(roots, layout) + kept)
+            elif not float8_gather:
+                gathered += int(kept)
         vocab = shape.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else shape.vocab_size
         logits = precision.loss_bytes * vocab if stage.last else 0.0
         # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last
         # stage) until that microbatch's backward is done.
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
-        modes = layout.block_ac_modes(stage.block_ids)
-        per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
+        if setting.traced:
+            per_layer = [traced_terms.block_bytes_per_token(shape, layer, mode, layout.tp, a, setting)
+                         for layer, mode in zip(stage.block_ids, modes)]  # fmt: skip
+        else:
+            per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
         per_root = root_activation_bytes_per_token(
             shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep, loss_bytes=precision.loss_bytes
         ) + held_output
+        # The compiled loss keeps what the partitioner chose (traced) instead of the eager log-softmax.
+        compiled_loss = traced_terms.compiled_loss(shape, layout, loss_parallel, setting, precision) if stage.last else None
+        if compiled_loss is not None:
+            per_root += compiled_loss.saved_per_token - precision.loss_bytes * vocab
+            per_root += precision.loss_bytes * vocab if compiled_loss.keeps_logits else 0.0
         first_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False)
         # The loss side (the final norm, the logits and what the family keeps there) is held for one microbatch at
         # the rank's peak under every schedule that runs a microbatch's backward on the last stage right after its
@@ -293,6 +260,8 @@ def estimate_memory(
             kept_so_far += kept
             if mode != "none":
                 recompute = _recompute_peak(shape, layer, mode, layout.tp, a, layout.ep)
+                if setting.compile:
+                    recompute = traced_terms.compiled_recompute_bytes_per_token(shape, layer, layout.tp, a, setting)
                 recompute_peak = max(recompute_peak, others + tokens * (kept_so_far + first_side + recompute))
             else:
                 # The block's own short-lived tensors in its first forward: they outgrow what the rest of the
@@ -317,6 +286,8 @@ def estimate_memory(
         # a vocabulary-wide gradient, adds exp of the saved log-probabilities to it and multiplies the sum by the
         # loss's gradient, so three vocabulary-wide tensors (in the loss's dtype) are alive next to the saved one, not two.
         logits_grad = (3 if loss_shift else 2) * precision.loss_bytes * vocab if stage.last else 0.0
+        if compiled_loss is not None:
+            logits_grad = compiled_loss.vocab_wide_grads * precision.loss_bytes * vocab
         transient = int(tokens * logits_grad)
         # Gradients exist during a forward only once an earlier microbatch's backward ran (accumulation, or a pipeline
         # schedule's later microbatches); zero_grad frees them at the end of each step.
@@ -393,7 +364,8 @@ def estimate_memory(
         adamw_elems = state_elems - param_elems  # AdamW keeps 2 per element, Muon 1
         step_phase = grads + (FP32 * adamw_elems if with_optimizer and precision.device == "cpu" else 0)
         peak = params + optimizer_bytes + max(forward_end, backward_end, step_phase)
-        estimate = MemoryEstimate(params, grads, optimizer_bytes, gathered, activations, transient, peak, stage.rank)
+        reserved = reserved_bytes(peak, precision.device)
+        estimate = MemoryEstimate(params, grads, optimizer_bytes, gathered, activations, transient, peak, stage.rank, reserved)
         if best is None or estimate.peak > best.peak:
             best = estimate
     assert best is not None

@@ -79,7 +79,7 @@ class Cluster:
         return self.memory_gib * GIB * self.headroom
 
     def fits(self, peak: float, layout: Layout) -> bool:
-        """The planner's fit rule: an estimated tensor peak of `peak` bytes, with what the GPU adds for `layout` (the
+        """The planner's fit rule: an estimated tensor peak of `peak` bytes (allocated), with what the GPU adds for `layout` (the
         CUDA context, NCCL's buffers), within the usable share of one GPU."""
         return device_bytes(peak, layout) <= self.usable_bytes
 
