@@ -22,6 +22,13 @@ LLAMA_3B_H200 = ("--world-size 1 --model.flavor 3B --training.device cuda --trai
                  "--training.seq_len 4096 --training.local_batch_size 2")  # fmt: skip
 
 
+# benchmarks/gpu_campaign.sh on one H200 (torch 2.11, Triton 3.6), 2026-12-04: local batch 2, seq 4096, bf16 autocast
+# over fp32 weights, AdamW, the built-in tokenizer's 2,048 tokens (the model keeps its own vocabulary).
+H200_CAMPAIGN = "benchmarks/results/2026-12-04/gpu_campaign_run1 (one H200, torch 2.11): campaign.json"
+CAMPAIGN_1 = ("--world-size 1 --training.device cuda --training.mixed_precision bf16 --training.seq_len 4096 "
+              "--training.local_batch_size 2 --data.vocab_size 2048")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Row:
     """One measured GPU run."""
@@ -36,6 +43,9 @@ class Row:
     reserved_gib: float
     # Where the figures come from.
     source: str
+    # Why the estimate misses this row by more than 10%, where it does (tests/test_gpu_memory_rows.py holds it as a
+    # strict xfail, so that the day it is met is seen); "" = held within 10%.
+    unmet: str = ""
 
 
 ROWS = [
@@ -46,6 +56,19 @@ ROWS = [
         H200_ISSUE_43),  # fmt: skip
     Row("Llama 3.2 3B, 1 H200, compile + selective_op AC",
         LLAMA_3B_H200 + " --compile.enable true --activation_checkpoint.mode selective_op", 59.3, 61.9, H200_ISSUE_43),
+    # The first GPU campaign (benchmarks/gpu_campaign.sh, run 1: benchmarks/results/2026-12-04/gpu_campaign_run1/).
+    Row("Qwen3 30B-A3B (4 of 48 blocks), 1 H200, compile",
+        CAMPAIGN_1 + " --model.name qwen3 --model.flavor 30B-A3B --model.n_layers 4 --compile.enable true",
+        54.5, 61.6, H200_CAMPAIGN),
+    Row("DeepSeek-V3 16B (4 of 27 blocks), 1 H200, compile",
+        CAMPAIGN_1 + " --model.name deepseek_v3 --model.flavor 16B --model.n_layers 4 --compile.enable true",
+        40.1, 42.1, H200_CAMPAIGN,
+        unmet="estimate 48.3 GiB against 40.1 allocated (1.20): the compiled trace of the MLA + MoE block over-counts by "
+        "about 8 GiB, not yet explained; the eager-count estimator before it gave 44.8 (1.06 of reserved)"),
+    Row("Qwen3-Next debug, seq 2048, 1 H200, eager",
+        "--world-size 1 --training.device cuda --training.mixed_precision bf16 --training.seq_len 2048 "
+        "--training.local_batch_size 2 --data.vocab_size 2048 --model.name qwen3_next --model.flavor debug",
+        2.7, 2.7, H200_CAMPAIGN),
 ]
 
 
@@ -56,9 +79,6 @@ PENDING = {
     "Llama 3.1 8B (8 of 32 blocks), seq 8192, 1 GPU, compile": "--world-size 1 --model.flavor 8B --model.n_layers 8 "
     "--training.device cuda --training.mixed_precision bf16 --training.seq_len 8192 --training.local_batch_size 1 "
     "--compile.enable true",
-    "Qwen3 30B-A3B (4 of 48 blocks), seq 4096, 1 GPU, compile": "--world-size 1 --model.name qwen3 --model.flavor "
-    "30B-A3B --model.n_layers 4 --training.device cuda --training.mixed_precision bf16 --training.seq_len 4096 "
-    "--training.local_batch_size 1 --compile.enable true",
 }
 
 

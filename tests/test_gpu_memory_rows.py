@@ -27,7 +27,11 @@ ROWS = _rows()
 GIB = 2**30
 
 
-@pytest.mark.parametrize("row", ROWS.ROWS, ids=[row.name for row in ROWS.ROWS])
+@pytest.mark.parametrize(
+    "row",
+    [pytest.param(row, marks=pytest.mark.xfail(strict=True, reason=row.unmet)) if row.unmet else row for row in ROWS.ROWS],
+    ids=[row.name for row in ROWS.ROWS],
+)
 def test_every_measured_gpu_row_is_estimated_within_10_percent(row):
     memory = ROWS.estimate(row)
     ratios = {"reserved": memory.reserved / GIB / row.reserved_gib}

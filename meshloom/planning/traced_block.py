@@ -77,13 +77,17 @@ def _one_block_stage(args, layer: int, kind: str, ac: str, float8: str | None) -
     the trainer's order (meshloom.parallel.apply.parallelize), its weights in the dtype `kind` gives them."""
     from meshloom.config.schema import ActivationCheckpointConfig, Float8Config
     from meshloom.parallel.activation_checkpoint import apply_activation_checkpointing
-    from meshloom.parallel.apply import carve_stage
+    from meshloom.parallel.apply import apply_kernel_plan, carve_stage
+    from meshloom.planning.kernels import KernelPlan
     from meshloom.parallel.float8 import convert_to_float8
 
     spec = _spec_of(args)
     with torch.device("meta"):
         model = spec.model_cls(_up_to(args, layer))
     carve_stage(model, spec.parallel, [layer], first=False, last=False)
+    # The routed experts as a GPU run plans them (meshloom/planning/kernels.py): one grouped matmul per weight, which
+    # traces on fake tensors (the per-expert loop splits by data-dependent counts), cast to bf16 under autocast.
+    apply_kernel_plan(model, spec.parallel, KernelPlan(grouped_mm=True, expert_dtype=torch.bfloat16 if kind == "autocast" else None))
     if float8 is not None:
         convert_to_float8(model, Float8Config(enable=True, recipe=float8), fsdp=False, tp=1)
     if kind == "bf16":
@@ -241,12 +245,16 @@ def _saved_by_partitioner(args, layer: int, ac: str, kind: str, float8: str | No
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled_cached(key: tuple, args_holder: _Args) -> SavedBytes:
+def _compiled_cached(key: tuple, args_holder: _Args) -> SavedBytes | None:
+    """None where the partitioner cannot be asked on fake tensors: a block with data-dependent sizes (an MoE layer's
+    token counts per expert, `aten._local_scalar_dense`) graph-breaks there, so the estimate counts it as eager."""
     try:
         return _saved_by_partitioner(args_holder.args, *key[2:])
     except UserError:
         raise
-    except Exception as err:  # torch's refusal, as one line naming the setting that asked for the trace
+    except Exception as err:
+        if "_local_scalar_dense" in str(err) or "data-dependent" in str(err).lower() or "DataDependent" in type(err).__name__:
+            return None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
             f"compile.enable: the memory estimate traces a compiled block of {type(args_holder.args).__name__} on fake "
@@ -254,9 +262,10 @@ def _compiled_cached(key: tuple, args_holder: _Args) -> SavedBytes:
         ) from err
 
 
-def compiled_block_saved(args, layer: int, ac: str, kind: str, float8: str | None, tokens: int) -> SavedBytes:
+def compiled_block_saved(args, layer: int, ac: str, kind: str, float8: str | None, tokens: int) -> SavedBytes | None:
     """What block `layer` of the model `args` describes saves for backward under torch.compile (checkpointing mode
-    `ac`, dtypes `kind`, Float8 recipe or None), for a sequence of `tokens`."""
+    `ac`, dtypes `kind`, Float8 recipe or None), for a sequence of `tokens`; None where its sizes depend on the data
+    (see _compiled_cached)."""
     if kind not in COMPUTE_KINDS:
         raise ValueError(kind)
     holder = _Args(args)

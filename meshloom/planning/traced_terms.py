@@ -69,7 +69,8 @@ def _tp_share(shape: ShapeModel, layer: int, mode: str, tp: int, a: int) -> floa
     return plain.block_activation_bytes_per_token(layer, mode, tp, a) / plain.block_activation_bytes_per_token(layer, mode, 1, a)
 
 
-def _compiled(shape: ShapeModel, layer: int, mode: str, setting: TracedSetting) -> SavedBytes:
+def _compiled(shape: ShapeModel, layer: int, mode: str, setting: TracedSetting) -> SavedBytes | None:
+    """The partitioner's count, or None for a block it cannot trace (counted as eager by the callers)."""
     layer = _first_of_kind(shape, layer)
     return compiled_block_saved(shape.args, layer, mode, setting.kind, setting.float8, setting.tokens)
 
@@ -88,9 +89,8 @@ def block_bytes_per_token(shape: ShapeModel, layer: int, mode: str, tp: int, a: 
     counted = shape.block_activation_bytes_per_token(layer, mode, tp, a)
     if not setting.traced:
         return counted
-    if setting.compile:
-        traced = _compiled(shape, layer, mode, setting).per_token
-        return traced * _tp_share(shape, layer, mode, tp, a) + _wrapper_change(shape, layer, mode, tp, a)
+    if setting.compile and (compiled := _compiled(shape, layer, mode, setting)) is not None:
+        return compiled.per_token * _tp_share(shape, layer, mode, tp, a) + _wrapper_change(shape, layer, mode, tp, a)
     reference = "bf16" if setting.kind in ("bf16", "autocast") else "fp32"
     if mode != "none":
         widened = (FP32 - BF16) * shape.dim / tp if setting.kind == "autocast" else 0.0
@@ -104,8 +104,10 @@ def block_bytes_per_token(shape: ShapeModel, layer: int, mode: str, tp: int, a: 
 def compiled_recompute_bytes_per_token(shape: ShapeModel, layer: int, tp: int, a: int, setting: TracedSetting) -> float:
     """Inside a checkpointed compiled block's backward: at most what the block keeps without checkpointing, recomputed
     next to what it saved (the partitioner's graph for mode none)."""
-    traced = _compiled(shape, layer, "none", setting).per_token
-    return traced * _tp_share(shape, layer, "none", tp, a) + _wrapper_change(shape, layer, "none", tp, a)
+    compiled = _compiled(shape, layer, "none", setting)
+    if compiled is None:
+        return shape.block_activation_bytes_per_token(layer, "none", tp, a)
+    return compiled.per_token * _tp_share(shape, layer, "none", tp, a) + _wrapper_change(shape, layer, "none", tp, a)
 
 
 def block_weight_copies(shape: ShapeModel, layer: int, mode: str, setting: TracedSetting) -> int | None:
@@ -115,8 +117,10 @@ def block_weight_copies(shape: ShapeModel, layer: int, mode: str, setting: Trace
     if not (setting.compile or setting.float8 is not None):
         return None
     first = _first_of_kind(shape, layer)
-    if setting.compile:
-        return _compiled(shape, layer, mode, setting).weights
+    if setting.compile and (compiled := _compiled(shape, layer, mode, setting)) is not None:
+        return compiled.weights
+    if setting.float8 is None:
+        return None
     return eager_block_saved(shape.args, first, "none", setting.kind, setting.float8).weights
 
 
