@@ -26,6 +26,9 @@ def validate(config: Config) -> None:
         f"training.global_batch_size must be positive or -1 (derive it), got {t.global_batch_size}",
     )
     _require(t.seq_len > 0, f"training.seq_len must be positive, got {t.seq_len}")
+    _require(
+        config.loss.chunk_tokens > 0, f"loss.chunk_tokens must be positive, got {config.loss.chunk_tokens}; e.g. --loss.chunk_tokens 1024"
+    )
     _require(t.max_norm >= 0, f"training.max_norm must be >= 0 (0 disables clipping), got {t.max_norm}")
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1/beta2 must lie in [0, 1), got {o.beta1}, {o.beta2}")

@@ -1,0 +1,18 @@
+"""`[loss]`: how the next-token loss is computed (the output projection and the cross-entropy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Chosen by measurement (benchmarks/chunked_loss.py, results under benchmarks/results/): see docs/chunked_loss.md.
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+@dataclass
+class LossConfig:
+    chunked: bool = False
+    """Project the final hidden states onto the vocabulary and take the cross-entropy a chunk of tokens at a time,
+    recomputing each chunk's logits in backward, so no logits over all tokens are kept (false: whole logits)."""
+
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """loss.chunked: tokens per chunk (over the whole local batch, this rank's vocabulary rows under tensor parallel)."""
