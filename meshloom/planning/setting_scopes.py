@@ -53,6 +53,7 @@ SCOPES: tuple[Scope, ...] = (
         ("activation_checkpoint.memory_budget",),
         lambda f: f.config.activation_checkpoint.mode == "memory_budget", "activation_checkpoint.mode = 'memory_budget'",
     ),
+    Scope(("loss.chunk_tokens",), lambda f: f.config.loss.chunked, "loss.chunked = true"),
     Scope(("compile.cache_dir",), lambda f: f.config.compile.enable, "compile.enable = true"),
     Scope(
         ("compile.async_tp",), lambda f: f.config.compile.enable and f.dims.tp > 1,
