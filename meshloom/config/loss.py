@@ -11,8 +11,8 @@ DEFAULT_CHUNK_TOKENS = 1024
 @dataclass
 class LossConfig:
     chunked: bool = False
-    """Project the final hidden states onto the vocabulary and take the cross-entropy a chunk of tokens at a time,
-    recomputing each chunk's logits in backward, so no logits over all tokens are kept (false: whole logits)."""
+    """Project the final hidden states onto the vocabulary and take the cross-entropy (and its gradients) a chunk of
+    tokens at a time, so no logits over all tokens ever exist (false: whole logits, as before)."""
 
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """loss.chunked: tokens per chunk (over the whole local batch, this rank's vocabulary rows under tensor parallel)."""

@@ -1,5 +1,12 @@
 """The output projection and the cross-entropy together, a chunk of tokens at a time, so that no logits over all
-tokens ever exist: forward keeps one log-sum-exp per token, and backward recomputes each chunk's logits.
+tokens ever exist: each chunk's logits give its tokens' losses and, at once, their gradients (the loss is the end of
+the graph, so its gradient is known up to one scalar), and are freed before the next chunk. Backward only scales the
+gradients the forward summed.
+
+Why not recompute the logits in backward: that is a fourth matmul of the size of the projection; on this CPU it cost
+29% at 1024-token chunks, where computing the gradients in forward is faster than whole logits
+(benchmarks/chunked_loss.py). What the forward keeps for backward is the hidden states' and the weight's gradients,
+the sizes of the hidden states and of the weight.
 
 The vocabulary may be split over a tensor-parallel group (each rank holds rows [vocab_start, vocab_start + V_local)
 of the output weight): then the maximum, the sum of exponentials and the target's logit are reduced over that group,
@@ -19,12 +26,6 @@ def _chunks(tokens: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # The matmul runs in the weight's dtype (bf16 under FSDP mixed precision), the softmax in fp32, as F.linear
-    # followed by `.float()` does on the unchunked path.
-    return (hidden.to(weight.dtype) @ weight.t()).float()
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -32,57 +33,48 @@ class _LinearCrossEntropy(torch.autograd.Function):
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:  # fmt: skip
         tokens, vocab_local = hidden.shape[0], weight.shape[0]
-        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        valid = labels != IGNORE_INDEX
         local_target = labels - vocab_start
-        owned = (local_target >= 0) & (local_target < vocab_local)  # this rank holds the target's row
+        owned = (local_target >= 0) & (local_target < vocab_local) & valid  # this rank holds the target's row
         index = torch.where(owned, local_target, 0)
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        # In the weight's dtype, as the unchunked backward makes it (each chunk's matmul accumulates in fp32 first).
+        grad_weight = torch.zeros_like(weight) if needs_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start, stop in _chunks(tokens, chunk):
-            logits = _chunk_logits(hidden[start:stop], weight)
+            chunk_hidden = hidden[start:stop].to(weight.dtype)
+            # The matmul in the weight's dtype (bf16 under FSDP mixed precision), the softmax in fp32, as F.linear
+            # followed by `.float()` does on the unchunked path.
+            logits = (chunk_hidden @ weight.t()).float()
             peak = logits.amax(dim=-1)
             if group is not None:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            sums = torch.stack(
-                [
-                    (logits - peak[:, None]).exp_().sum(dim=-1),
-                    torch.where(owned[start:stop], logits.gather(1, index[start:stop, None]).squeeze(1), 0.0),
-                ]
-            )
-            del logits
+            target = torch.where(owned[start:stop], logits.gather(1, index[start:stop, None]).squeeze(1), 0.0)
+            probs = logits.sub_(peak[:, None]).exp_()  # in place: one vocabulary-wide tensor per chunk
+            sums = torch.stack([probs.sum(dim=-1), target])
             if group is not None:
                 dist.all_reduce(sums, group=group)
-            lse[start:stop] = peak + sums[0].log()
-            valid = labels[start:stop] != IGNORE_INDEX
-            total += torch.where(valid, lse[start:stop] - sums[1], 0.0).sum()
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk, ctx.vocab_start = chunk, vocab_start
+            lse = peak + sums[0].log()
+            total += torch.where(valid[start:stop], lse - sums[1], 0.0).sum()
+            if not needs_grad:
+                continue
+            # d loss / d logits = softmax - one_hot(target); an ignored token's row is 0.
+            probs.div_(sums[0][:, None])
+            rows = torch.arange(stop - start, device=hidden.device)
+            probs[rows, index[start:stop]] -= owned[start:stop].to(probs.dtype)
+            probs.mul_(valid[start:stop, None])
+            grad_logits = probs.to(weight.dtype)
+            grad_hidden[start:stop] = (grad_logits @ weight).to(hidden.dtype)
+            grad_weight.addmm_(grad_logits.t(), chunk_hidden)  # in place: no weight-sized temporary
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
-        hidden, weight, labels, lse = ctx.saved_tensors
-        vocab_local = weight.shape[0]
-        local_target = labels - ctx.vocab_start
-        owned = (local_target >= 0) & (local_target < vocab_local) & (labels != IGNORE_INDEX)
-        index = torch.where(owned, local_target, 0)
-        keep = (labels != IGNORE_INDEX).float() * grad_total.float()
-        grad_hidden = torch.empty_like(hidden)
-        # fp32 accumulation over chunks, whatever the weight's dtype (a bf16 sum of chunk products loses bits).
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start, stop in _chunks(hidden.shape[0], ctx.chunk):
-            # d loss / d logits = softmax - one_hot(target), scaled by the incoming gradient; ignored tokens get 0.
-            grad_logits = _chunk_logits(hidden[start:stop], weight).sub_(lse[start:stop, None]).exp_()
-            rows = torch.arange(stop - start, device=hidden.device)
-            grad_logits[rows, index[start:stop]] -= owned[start:stop].float()
-            grad_logits.mul_(keep[start:stop, None])
-            grad_logits = grad_logits.to(weight.dtype)
-            grad_hidden[start:stop] = (grad_logits @ weight).to(hidden.dtype)
-            chunk_hidden = hidden[start:stop].to(weight.dtype)
-            if weight.dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.t(), chunk_hidden)  # in place: no weight-sized temporary
-            else:
-                grad_weight += (grad_logits.t() @ chunk_hidden).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_total.to(grad_hidden.dtype)
+        return grad_hidden * scale, grad_weight * scale.to(grad_weight.dtype), None, None, None, None
 
 
 def linear_cross_entropy_sum(
