@@ -58,6 +58,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = peak + sums[0].log()
             total += torch.where(valid[start:stop], lse - sums[1], 0.0).sum()
             if not needs_grad:
+                del logits, probs
                 continue
             # d loss / d logits = softmax - one_hot(target); an ignored token's row is 0.
             probs.div_(sums[0][:, None])
@@ -66,15 +67,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
             probs.mul_(valid[start:stop, None])
             grad_logits = probs.to(weight.dtype)
             grad_hidden[start:stop] = (grad_logits @ weight).to(hidden.dtype)
-            grad_weight.addmm_(grad_logits.t(), chunk_hidden)  # in place: no weight-sized temporary
-        ctx.save_for_backward(grad_hidden, grad_weight)
+            # In place, and written as (dim x vocab) += hidden^T @ grad_logits so that no operand is a transposed
+            # vocabulary-wide tensor (the CPU matmul copies such an operand first: a second chunk of logits).
+            grad_weight.t().addmm_(chunk_hidden.t(), grad_logits)
+            del logits, probs, grad_logits  # before the next chunk's logits exist, not after
+        # Kept on ctx, not saved tensors: backward scales them in place and hands them on (no second copy of either).
+        ctx.gradients = (grad_hidden, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):  # type: ignore[override]
-        grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_total.to(grad_hidden.dtype)
-        return grad_hidden * scale, grad_weight * scale.to(grad_weight.dtype), None, None, None, None
+        if ctx.gradients is None:
+            raise RuntimeError("the chunked loss's backward ran twice; its gradients were handed on the first time")
+        grad_hidden, grad_weight = ctx.gradients
+        ctx.gradients = None
+        grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        grad_weight.mul_(grad_total.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_cross_entropy_sum(

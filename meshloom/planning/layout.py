@@ -56,6 +56,8 @@ class Layout:
     # FSDP frees a block's gathered weights after its forward (False: kept to the end of backward, as the
     # zero-bubble pipeline schedules require).
     reshard_after_forward: bool = True
+    # loss.chunk_tokens when loss.chunked, else 0: the output projection and the loss run in chunks of this many tokens.
+    loss_chunk_tokens: int = 0
 
     @property
     def world_size(self) -> int:
@@ -94,6 +96,7 @@ class Layout:
             text += f" {self.pipeline_schedule}"
         if self.optimizer != "AdamW":
             text += f" {self.optimizer}"
+        text += f" loss_chunk={self.loss_chunk_tokens}" if self.loss_chunk_tokens else ""
         return text + (" float8" if self.float8 else "")
 
     def block_ac_modes(self, block_ids: range) -> list[str]:
@@ -154,7 +157,7 @@ def layout_of(plan: RunPlan) -> Layout:
     return Layout(
         dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ac, microbatch_size, microbatches, schedule,
         every_k_layers, dims.ep, stages_per_rank, counts, plan.grad_accum_steps, config.optimizer.name,
-        config.float8.enable, reshard,
+        config.float8.enable, reshard, config.loss.chunk_tokens if config.loss.chunked else 0,
     )  # fmt: skip
 
 

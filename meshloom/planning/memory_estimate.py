@@ -24,13 +24,12 @@ What one rank holds, by kind:
   kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`), and eager FlexAttention
   (gpt-oss's) holds score-sized temporaries in a block's backward (`block_attention_backward_bytes_per_token`);
 - transient: the logits' gradient at the start of backward (under loss parallel, the fused backward's three
-  vocabulary-wide temporaries).
+  vocabulary-wide temporaries); with the chunked loss, one chunk and the gradients it sums (loss_memory.py).
 
 The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
 microbatches), the backward phases (gradients + gathered, and moments inside a block's backward) and the optimizer
-step (gradients, plus on CPU the foreach AdamW's temporary copy of its parameters).
-"""
+step (gradients, plus on CPU the foreach AdamW's temporary copy of its parameters)."""
 
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ from dataclasses import dataclass, fields
 from meshloom.config.errors import UserError
 from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
+from meshloom.planning.loss_memory import chunked_loss_bytes, whole_logits_bytes
 from meshloom.planning.param_counts import in_fsdp, largest_chunk, local_numel
 from meshloom.planning.pipeline_stages import ALL_FORWARDS_FIRST, StageShape, pipeline_stages
 
@@ -262,14 +262,14 @@ def estimate_memory(
         else:
             gathered = 0
         vocab = shape.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else shape.vocab_size
-        logits = precision.loss_bytes * vocab if stage.last else 0.0
+        logits = whole_logits_bytes(precision, layout) * vocab if stage.last else 0.0
         # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last
         # stage) until that microbatch's backward is done.
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
         modes = layout.block_ac_modes(stage.block_ids)
         per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
         per_root = root_activation_bytes_per_token(
-            shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep, loss_bytes=precision.loss_bytes
+            shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep, loss_bytes=whole_logits_bytes(precision, layout)
         ) + held_output
         first_root = root_activation_bytes_per_token(shape, stage, layout.tp, a, loss_parallel, last=False)
         # The loss side (the final norm, the logits and what the family keeps there) is held for one microbatch at
@@ -316,8 +316,8 @@ def estimate_memory(
         # log-softmax (torch's `_nll_loss_and_log_softmax_backward`, torch.distributed.tensor.parallel.loss): it zeroes
         # a vocabulary-wide gradient, adds exp of the saved log-probabilities to it and multiplies the sum by the
         # loss's gradient, so three vocabulary-wide tensors (in the loss's dtype) are alive next to the saved one, not two.
-        logits_grad = (3 if loss_shift else 2) * precision.loss_bytes * vocab if stage.last else 0.0
-        transient = int(tokens * logits_grad)
+        logits_grad = (3 if loss_shift else 2) * whole_logits_bytes(precision, layout) * vocab if stage.last else 0.0
+        transient = int(tokens * logits_grad) + chunked_loss_bytes(shape, layout, stage.last, tokens, a)
         # Gradients exist during a forward only once an earlier microbatch's backward ran (accumulation, or a pipeline
         # schedule's later microbatches); zero_grad frees them at the end of each step.
         grads_during_forward = grads if layout.microbatches > 1 else 0
