@@ -29,6 +29,7 @@ from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
 from meshloom.parallel.output_head import ChunkedOutputHead
+from meshloom.parallel.pipeline import SCHEDULES
 from meshloom.parallel.state_passing import StatePassingCore
 
 if TYPE_CHECKING:
@@ -143,7 +144,8 @@ def parallelize(model: nn.Module, plan: RunPlan) -> nn.Module:
     data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
     if config.loss.chunked and _present(model, parts.output):
         # First, so that Float8 (which leaves the output projection out anyway) and TP see the head as it trains.
-        setattr(model, parts.output, ChunkedOutputHead(getattr(model, parts.output), config.loss.chunk_tokens))
+        zero_bubble = dims.pp > 1 and SCHEDULES[config.pipeline.schedule].zero_bubble
+        setattr(model, parts.output, ChunkedOutputHead(getattr(model, parts.output), config.loss.chunk_tokens, zero_bubble))
     if config.float8.enable:
         convert_to_float8(model, config.float8, fsdp=data_parallel, tp=dims.tp)
     if dims.tp > 1:

@@ -30,7 +30,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, vocab_start: int,
-        group: dist.ProcessGroup | None,
+        group: dist.ProcessGroup | None, repeatable: bool,
     ) -> torch.Tensor:  # fmt: skip
         tokens, vocab_local = hidden.shape[0], weight.shape[0]
         valid = labels != IGNORE_INDEX
@@ -71,8 +71,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # vocabulary-wide tensor (the CPU matmul copies such an operand first: a second chunk of logits).
             grad_weight.t().addmm_(chunk_hidden.t(), grad_logits)
             del logits, probs, grad_logits  # before the next chunk's logits exist, not after
-        # Kept on ctx, not saved tensors: backward scales them in place and hands them on (no second copy of either).
-        ctx.gradients = (grad_hidden, grad_weight)
+        # Kept on ctx, not saved tensors: backward scales them in place and hands them on (no second copy of either),
+        # unless its backward may run again (a zero-bubble pipeline schedule runs it for the inputs, then the weights).
+        ctx.gradients, ctx.repeatable = (grad_hidden, grad_weight), repeatable
         return total
 
     @staticmethod
@@ -80,10 +81,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.gradients is None:
             raise RuntimeError("the chunked loss's backward ran twice; its gradients were handed on the first time")
         grad_hidden, grad_weight = ctx.gradients
+        if ctx.repeatable:
+            return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype), *([None] * 5)
         ctx.gradients = None
         grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         grad_weight.mul_(grad_total.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, *([None] * 5)
 
 
 def linear_cross_entropy_sum(
@@ -93,12 +96,16 @@ def linear_cross_entropy_sum(
     chunk: int,
     vocab_start: int = 0,
     group: dist.ProcessGroup | None = None,
+    repeatable_backward: bool = False,
 ) -> torch.Tensor:
     """Summed next-token cross-entropy of `hidden @ weight.T` against `labels` (IGNORE_INDEX skipped), in fp32.
 
     hidden [..., dim] and labels [...] are flattened together; weight [V_local, dim] holds vocabulary rows
     [vocab_start, vocab_start + V_local) of a vocabulary split over `group` (None: the whole vocabulary).
+    repeatable_backward: backward may run more than once (it then returns scaled copies of the gradients).
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
-    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, vocab_start, group)
+    return _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, vocab_start, group, repeatable_backward
+    )

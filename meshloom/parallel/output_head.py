@@ -23,12 +23,14 @@ from meshloom.parallel.chunked_loss import IGNORE_INDEX, linear_cross_entropy_su
 class ChunkedOutputHead(nn.Module):
     """The output projection, applied by the loss in chunks of `chunk_tokens` tokens."""
 
-    def __init__(self, linear: nn.Module, chunk_tokens: int):
+    def __init__(self, linear: nn.Module, chunk_tokens: int, repeatable_backward: bool = False):
         super().__init__()
         if getattr(linear, "bias", None) is not None:
             raise ValueError("the chunked loss projects without a bias; the output head has one")
         self.weight = linear.weight  # the same Parameter object: ties and parameter names survive
         self.chunk_tokens = chunk_tokens
+        # A zero-bubble pipeline schedule runs the loss's backward twice (input gradients, then weight gradients).
+        self.repeatable_backward = repeatable_backward
         self.tp_mesh: DeviceMesh | None = None
         self.loss_parallel = False
 
@@ -71,7 +73,9 @@ class ChunkedOutputHead(nn.Module):
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of what training-mode forward returned, against labels (IGNORE_INDEX skipped)."""
         group = self.tp_mesh.get_group() if self.tp_mesh is not None else None
-        return linear_cross_entropy_sum(hidden, self._local_weight(), labels, self.chunk_tokens, self.vocab_start(), group)
+        return linear_cross_entropy_sum(
+            hidden, self._local_weight(), labels, self.chunk_tokens, self.vocab_start(), group, self.repeatable_backward
+        )
 
     def token_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of this head applied to raw hidden states (e.g. a prediction module's norm output)."""
