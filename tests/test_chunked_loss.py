@@ -102,3 +102,19 @@ def test_chunk_tokens_must_be_positive() -> None:
 
     with pytest.raises(ConfigError, match=r"^loss.chunk_tokens must be positive, got 0; e.g. --loss.chunk_tokens 1024$"):
         RunPlan.build(load_config(["--loss.chunked", "true", "--loss.chunk_tokens", "0"]), 1)
+
+
+def test_float8_leaves_the_chunked_head_out_and_training_builds_it() -> None:
+    """The driver swaps the output Linear for the chunked head before Float8, which converts the blocks' linears and
+    still not the output projection; the head keeps the Linear's parameter name."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from meshloom.config.loader import load_config
+    from meshloom.planning.run_plan import RunPlan
+    from meshloom.train.model_setup import build_model
+
+    argv = ["--model.flavor", "tiny", "--float8.enable", "true", "--training.mixed_precision", "bf16", "--loss.chunked", "true"]
+    model = build_model(RunPlan.build(load_config(argv), 1), torch.device("cpu"))
+    assert isinstance(model.output, ChunkedOutputHead) and type(model.output.weight) is torch.nn.Parameter
+    assert any(isinstance(m, Float8Linear) for m in model.modules())
+    assert "output.weight" in model.state_dict()

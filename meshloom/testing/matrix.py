@@ -1,6 +1,6 @@
 """The pairwise matrix: features combined across eleven axes, every pair of values in at least one cell.
 
-An all-pairs covering array (not the full product, which has 124,416 cells): `CELLS` in matrix_cells.py is what
+An all-pairs covering array (not the full product, which has 248,832 cells): `CELLS` in matrix_cells.py is what
 `generate()` wrote, and tests/test_matrix.py checks that it still covers every pair. Each cell either trains and
 matches its reference, or the declaration (meshloom/planning/features.py) refuses it by name, and the test asserts
 that line. A pair of values that the declaration refuses (witnessed by a cell of that pair alone) is covered by its
