@@ -190,6 +190,8 @@ def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
     }
     if layout.ac == "selective_layer":
         settings["activation_checkpoint"]["every_k_layers"] = layout.every_k_layers
+    if layout.loss_chunk_tokens:
+        settings["loss"] = {"chunked": True, "chunk_tokens": layout.loss_chunk_tokens}
     if layout.pp > 1:
         pipeline: dict[str, object] = {
             "schedule": layout.pipeline_schedule,
