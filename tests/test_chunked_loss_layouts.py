@@ -1,6 +1,7 @@
 """Every layout of the matrix with the chunked loss trains 10 steps at parity with one process that builds whole
 logits: DeepSeek-V3 (experts and multi-token prediction, whose loss goes through the same chunked head), 4 layers,
-chunks of 100 tokens (no layout's microbatch is a multiple of 100), on gloo ranks forked in two launches.
+32-token sequences, chunks of 100 tokens (no layout's microbatch is a multiple of 100), on gloo ranks forked in two
+launches.
 
 Layouts: FSDP, HSDP, TP (the vocabulary-sharded log-sum-exp), PP with 1F1B (the last stage) and with ZBVZeroBubble
 (rank 0 holds the last stage), CP, EP and FSDP x TP. Bound: the parity harness's fp32 tolerance on every step's loss,
@@ -15,7 +16,7 @@ import pytest
 from meshloom.testing.layout_parity import FP32_TOLERANCE, ParityCase, launch, run_args, run_steps
 
 STEPS = 10
-COMMON = ["--model.name", "deepseek_v3", "--model.n_layers", "4"]
+COMMON = ["--model.name", "deepseek_v3", "--model.n_layers", "4", "--training.seq_len", "32"]
 CHUNKED = "loss.chunked=true,loss.chunk_tokens=100"
 LAYOUTS = (
     "dp_shard=2",
