@@ -119,3 +119,18 @@ def test_float8_leaves_the_chunked_head_out_and_training_builds_it() -> None:
     assert isinstance(model.output, ChunkedOutputHead) and type(model.output.weight) is torch.nn.Parameter
     assert any(isinstance(m, Float8Linear) for m in model.modules())
     assert "output.weight" in model.state_dict()
+
+
+def test_a_run_logs_the_same_loss_and_validation_loss_with_the_chunked_loss(tmp_path) -> None:
+    """The Trainer's path: training losses (chunked head in training mode) and the held-out loss (eval mode: logits)
+    equal a run with whole logits; DeepSeek-V3's prediction-module loss too."""
+    from meshloom.testing.layout_parity import run_args, run_steps
+
+    common = ["--model.name", "deepseek_v3", "--validation.enable", "true", "--validation.steps", "1", "--data.validation_fraction", "0.2"]
+    whole = run_steps(run_args(3, tmp_path, [*common, "--job.dump_folder", str(tmp_path / "whole")]))
+    chunked = run_steps(
+        run_args(3, tmp_path, [*common, "--loss.chunked", "true", "--loss.chunk_tokens", "100", "--job.dump_folder", str(tmp_path / "chunked")])
+    )
+    assert whole.validation is not None and abs(whole.validation - chunked.validation) <= EXACT
+    assert max(abs(a - b) for a, b in zip(whole.losses, chunked.losses, strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(whole.aux["mtp_loss"], chunked.aux["mtp_loss"], strict=True)) <= 1e-5
