@@ -1,4 +1,4 @@
-"""The pairwise matrix (meshloom/testing/matrix.py): every pair of values of its ten axes is in a cell that trains and
+"""The pairwise matrix (meshloom/testing/matrix.py): every pair of values of its eleven axes is in a cell that trains and
 matches its reference, or the declaration (meshloom/planning/features.py) refuses that pair with one line.
 
 Each training cell runs the tiny fp32 run of the parity harness for matrix.STEPS = 4 steps (two of warm-up, two of

@@ -79,6 +79,7 @@ HONOURED: dict[str, str] = {
     "float8.*": _BUILT + " (the checkpoint holds the high-precision weights)",
     "moe.*": _BUILT + " (the balancing bias itself is loaded)",
     "kernels.*": _BUILT + " (a kernel choice changes no state)",
+    "loss.*": _BUILT + " (how the loss is computed changes no state)",
     "profiling.*": _BUILT,
     "comm.*": _BUILT,
     "fault_injection.*": _BUILT,

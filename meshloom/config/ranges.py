@@ -81,6 +81,7 @@ RANGES: dict[str, Range] = {
     "training.local_batch_size": _positive(),
     "training.global_batch_size": Range(1, sentinels=(-1,), note="derive it", say_positive=True),
     "training.seq_len": _positive(),
+    "loss.chunk_tokens": _positive(),
     "training.max_norm": _nonneg("0 disables clipping"),
     "training.seed": _nonneg(),
     "training.max_rollbacks": _nonneg(),

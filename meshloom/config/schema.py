@@ -11,14 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from meshloom.config.fault_tolerance import FaultToleranceConfig
-from meshloom.config.operations import (
-    CheckpointConfig,
-    CommConfig,
-    FaultInjectionConfig,
-    MetricsConfig,
-    ProfilingConfig,
-    ValidationConfig,
-)
+from meshloom.config.loss import LossConfig
+from meshloom.config.operations import (CheckpointConfig, CommConfig, FaultInjectionConfig, MetricsConfig,
+                                       ProfilingConfig, ValidationConfig)
 
 
 @dataclass
@@ -386,6 +381,7 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,6 +1,6 @@
 """The one driver that applies parallelism to a model (or to one pipeline stage of it), in a fixed order:
 
-kernel choices -> Float8 -> tensor/sequence parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> FSDP.
+kernel choices -> (chunked loss head) -> Float8 -> tensor/sequence parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> FSDP.
 
 Float8 swaps the linear layers first, so TP and FSDP both see Float8Linear modules. TP then places the root (embedding,
 final norm, output head) and each block by the family's plan. CP swaps every attention's core for ring attention (a linear-attention layer's for state passing); EP
@@ -28,6 +28,8 @@ from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.expert_parallel import apply_expert_parallel
 from meshloom.parallel.float8 import convert_to_float8
 from meshloom.parallel.fsdp import apply_fsdp
+from meshloom.parallel.output_head import ChunkedOutputHead
+from meshloom.parallel.pipeline import SCHEDULES
 from meshloom.parallel.state_passing import StatePassingCore
 
 if TYPE_CHECKING:
@@ -108,7 +110,10 @@ def apply_tensor_parallel(model: nn.Module, parts: ParallelParts, tp_mesh, loss_
         root[parts.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if _present(model, parts.final_norm):
         root[parts.final_norm] = SequenceParallel()
-    if output is not None:
+    if isinstance(output, ChunkedOutputHead):
+        # The chunked loss splits the vocabulary rows itself (its own parallel log-sum-exp, see output_head.py).
+        output.shard_vocabulary(tp_mesh, loss_parallel)
+    elif output is not None:
         root[parts.output] = ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
         )
@@ -154,6 +159,10 @@ def parallelize(model: nn.Module, plan: RunPlan) -> nn.Module:
     parts, dims, config = plan.spec.parallel, plan.dims, plan.config
     data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
     apply_kernel_plan(model, parts, plan.kernels)
+    if config.loss.chunked and _present(model, parts.output):
+        # First, so that Float8 (which leaves the output projection out anyway) and TP see the head as it trains.
+        zero_bubble = dims.pp > 1 and SCHEDULES[config.pipeline.schedule].zero_bubble
+        setattr(model, parts.output, ChunkedOutputHead(getattr(model, parts.output), config.loss.chunk_tokens, zero_bubble))
     if config.float8.enable:
         convert_to_float8(model, config.float8, fsdp=data_parallel, tp=dims.tp)
     if dims.tp > 1:

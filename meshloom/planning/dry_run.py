@@ -9,6 +9,7 @@ activations, peak memory, FLOPs and communication come from the estimators besid
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,9 @@ class DryRunReport:
     kernels: str = "cuda"
     # Which kernel each kind of block runs, and why (RunPlan.kernels).
     kernel_choices: tuple[str, ...] = ()
+    # loss.chunked: the estimated peak of the same run with whole logits (None without the chunked loss).
+    whole_logits_peak: int | None = None
+    loss_chunk_tokens: int = 0
 
     def format(self) -> str:
         m = self.memory
@@ -64,6 +68,11 @@ class DryRunReport:
                 f"(x{ALLOCATOR_RESERVE:g}, measured; meshloom.planning.allocator)"
             )
         lines += [
+            *(
+                [f"  chunked loss               {(self.whole_logits_peak - m.peak) / GIB:10.2f} GiB less peak than whole "
+                 f"logits ({self.loss_chunk_tokens}-token chunks)"]
+                if self.whole_logits_peak is not None else []
+            ),
             f"  FLOPs per step             {self.model_flops:10.3e} model, {self.executed_flops:.3e} executed",
             "  communication per step (bytes one rank sends; the busiest pipeline stage in each dimension):",
         ]
@@ -111,9 +120,16 @@ def dry_run(config: Config, world_size: int, trains_tokenizer: bool = False) -> 
     model_flops, executed_flops = step_flops(shape, layout, tc.seq_len)
     comm = step_comm_bytes(shape, layout, tc.seq_len, precision)
     rank_params = estimate_memory(shape, layout, tc.seq_len, precision, stage_index=0).params
+    whole_logits_peak = None
+    if layout.loss_chunk_tokens:
+        whole = dataclasses.replace(layout, loss_chunk_tokens=0)
+        whole_logits_peak = estimate_memory(
+            shape, whole, tc.seq_len, precision, config.parallelism.loss_parallel, optimizer=config.optimizer.name
+        ).peak
     return DryRunReport(
         world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm,
-        time.perf_counter() - start, precision.device, plan.kernels.lines,
+        time.perf_counter() - start, precision.device, plan.kernels.lines, whole_logits_peak,
+        layout.loss_chunk_tokens,
     )  # fmt: skip
 
 

@@ -99,6 +99,7 @@ _DEFINED = [
     ),
     Feature("compile", "compile", "compile.enable", lambda f: f.config.compile.enable, ("--compile.enable", "true")),
     Feature("float8", "Float8", "float8.enable", lambda f: f.config.float8.enable, ("--float8.enable", "true")),
+    Feature("chunked_loss", "chunked loss", "loss.chunked", lambda f: f.config.loss.chunked, ("--loss.chunked", "true")),
     # Optimizer.
     Feature("muon", "Muon", "optimizer.name = 'Muon'", lambda f: f.config.optimizer.name == "Muon", ("--optimizer.name", "Muon")),
     Feature(

@@ -63,6 +63,8 @@ class Layout:
     float8_all_gather: bool = True
     # compile.enable: each block compiled (its saved tensors are what AOTAutograd's partitioner keeps) and the loss too.
     compile: bool = False
+    # loss.chunk_tokens when loss.chunked, else 0: the output projection and the loss run in chunks of this many tokens.
+    loss_chunk_tokens: int = 0
 
     @property
     def world_size(self) -> int:
@@ -101,6 +103,7 @@ class Layout:
             text += f" {self.pipeline_schedule}"
         if self.optimizer != "AdamW":
             text += f" {self.optimizer}"
+        text += f" loss_chunk={self.loss_chunk_tokens}" if self.loss_chunk_tokens else ""
         text += f" float8 {self.float8_recipe}" if self.float8 else ""
         return text + (" compile" if self.compile else "")
 
@@ -166,7 +169,7 @@ def layout_of(plan: RunPlan) -> Layout:
     return Layout(
         dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ac, microbatch_size, microbatches, schedule,
         every_k_layers, dims.ep, stages_per_rank, counts, plan.grad_accum_steps, config.optimizer.name,
-        config.float8.enable, reshard, config.float8.recipe, config.float8.fsdp_float8_all_gather, config.compile.enable,
+        config.float8.enable, reshard, config.float8.recipe, config.float8.fsdp_float8_all_gather, config.compile.enable, config.loss.chunk_tokens if config.loss.chunked else 0,
     )  # fmt: skip
 
 
@@ -200,6 +203,8 @@ def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
     }
     if layout.ac == "selective_layer":
         settings["activation_checkpoint"]["every_k_layers"] = layout.every_k_layers
+    if layout.loss_chunk_tokens:
+        settings["loss"] = {"chunked": True, "chunk_tokens": layout.loss_chunk_tokens}
     if layout.pp > 1:
         pipeline: dict[str, object] = {
             "schedule": layout.pipeline_schedule,

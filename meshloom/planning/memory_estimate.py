@@ -26,13 +26,12 @@ What one rank holds, by kind:
   kernel (MLA's) also keeps its softmax probabilities (`ShapeModel.with_math_attention`), and eager FlexAttention
   (gpt-oss's) holds score-sized temporaries in a block's backward (`block_attention_backward_bytes_per_token`);
 - transient: the logits' gradient at the start of backward (under loss parallel, the fused backward's three
-  vocabulary-wide temporaries).
+  vocabulary-wide temporaries); with the chunked loss, one chunk and the gradients it sums (loss_memory.py).
 
 The peak is parameters + optimizer + the largest of the activation phase (the activation peak, or the
 forward-end activations plus the logits' gradient; gathered weights; gradients held over from earlier
 microbatches), the backward phases (gradients + gathered, and moments inside a block's backward) and the optimizer
-step (gradients, plus on CPU the foreach AdamW's temporary copy of its parameters).
-"""
+step (gradients, plus on CPU the foreach AdamW's temporary copy of its parameters)."""
 
 from __future__ import annotations
 
@@ -41,6 +40,7 @@ from dataclasses import dataclass, fields
 from meshloom.config.errors import UserError
 from meshloom.models.shape import ParamShape, ShapeModel
 from meshloom.planning.layout import FP32, Layout, Precision
+from meshloom.planning.loss_memory import chunked_loss_bytes, whole_logits_bytes
 from meshloom.planning.param_counts import in_fsdp, largest_chunk, local_numel
 from meshloom.planning.block_cache import (
     _attention_backward, _block_activation, _mixer_recompute, _recompute_peak, _with_context_parallel,
@@ -221,7 +221,7 @@ def estimate_memory(
             elif not float8_gather:
                 gathered += int(kept)
         vocab = shape.vocab_size / layout.tp if (layout.tp > 1 and loss_parallel) else shape.vocab_size
-        logits = precision.loss_bytes * vocab if stage.last else 0.0
+        logits = whole_logits_bytes(precision, layout) * vocab if stage.last else 0.0
         # The pipeline schedule keeps each microbatch's stage output (the logits, in the loss's dtype, on the last
         # stage) until that microbatch's backward is done.
         held_output = (logits or a * shape.dim / layout.tp) if layout.pp > 1 else 0.0
@@ -231,10 +231,12 @@ def estimate_memory(
         else:
             per_layer = [_block_activation(shape, layer, mode, layout.tp, a) for layer, mode in zip(stage.block_ids, modes)]
         per_root = root_activation_bytes_per_token(
-            shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep, loss_bytes=precision.loss_bytes
+            shape, stage, layout.tp, a, loss_parallel, ac=layout.ac, ep=layout.ep, loss_bytes=whole_logits_bytes(precision, layout)
         ) + held_output
         # The compiled loss keeps what the partitioner chose (traced) instead of the eager log-softmax.
-        compiled_loss = traced_terms.compiled_loss(shape, layout, loss_parallel, setting, precision) if stage.last else None
+        # (The chunked loss is no compiled loss: its head computes the loss itself, a chunk at a time.)
+        compiled = stage.last and not layout.loss_chunk_tokens
+        compiled_loss = traced_terms.compiled_loss(shape, layout, loss_parallel, setting, precision) if compiled else None
         if compiled_loss is not None:
             per_root += compiled_loss.saved_per_token - precision.loss_bytes * vocab
             per_root += precision.loss_bytes * vocab if compiled_loss.keeps_logits else 0.0
@@ -285,10 +287,10 @@ def estimate_memory(
         # log-softmax (torch's `_nll_loss_and_log_softmax_backward`, torch.distributed.tensor.parallel.loss): it zeroes
         # a vocabulary-wide gradient, adds exp of the saved log-probabilities to it and multiplies the sum by the
         # loss's gradient, so three vocabulary-wide tensors (in the loss's dtype) are alive next to the saved one, not two.
-        logits_grad = (3 if loss_shift else 2) * precision.loss_bytes * vocab if stage.last else 0.0
+        logits_grad = (3 if loss_shift else 2) * whole_logits_bytes(precision, layout) * vocab if stage.last else 0.0
         if compiled_loss is not None:
             logits_grad = compiled_loss.vocab_wide_grads * precision.loss_bytes * vocab
-        transient = int(tokens * logits_grad)
+        transient = int(tokens * logits_grad) + chunked_loss_bytes(shape, layout, stage.last, tokens, a)
         # Gradients exist during a forward only once an earlier microbatch's backward ran (accumulation, or a pipeline
         # schedule's later microbatches); zero_grad frees them at the end of each step.
         grads_during_forward = grads if layout.microbatches > 1 else 0

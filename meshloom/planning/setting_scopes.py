@@ -84,6 +84,7 @@ SCOPES: tuple[Scope, ...] = (
         ("activation_checkpoint.memory_budget",),
         lambda f: f.config.activation_checkpoint.mode == "memory_budget", "activation_checkpoint.mode = 'memory_budget'",
     ),
+    Scope(("loss.chunk_tokens",), lambda f: f.config.loss.chunked, "loss.chunked = true"),
     Scope(("compile.cache_dir",), lambda f: f.config.compile.enable, "compile.enable = true"),
     Scope(("kernels.gated_delta",), lambda f: "gated_delta" in f.mixers, "the model has Gated DeltaNet blocks (qwen3_next)"),
     Scope(
@@ -206,6 +207,7 @@ SCOPES: tuple[Scope, ...] = (
 # off value is a choice too); so do the optimizer's AdamW settings, which Muon keeps for embeddings, norms and the head.
 ALWAYS: tuple[str, ...] = (
     "job.dump_folder", "job.description",
+    "loss.chunked",
     "model.name", "model.flavor", "model.plugin", "model.n_layers",
     "model.mtp_depth",  # a family without multi-token prediction refuses any depth but 0 (models/registry.py)
     "training.steps", "training.local_batch_size", "training.global_batch_size", "training.seq_len", "training.max_norm",

@@ -24,7 +24,7 @@ TITLES = {
     "ac_full": "AC full", "ac_selective": "AC selective", "compile": "compile", "float8": "Float8",
     "muon": "Muon", "muon_qk_clip": "Muon+QK-clip", "shards": "shards+stages", "streaming": "streaming",
     "document_mask": "doc masks", "replica_groups": "replica groups", "diloco": "DiLoCo", "local_sgd": "LocalSGD",
-    "kill_restart": "kill+restart", "resume_other_layout": "resume elsewhere",
+    "kill_restart": "kill+restart", "resume_other_layout": "resume elsewhere", "chunked_loss": "chunked loss",
 }  # fmt: skip
 
 MATRIX_TEST = "tests/test_matrix.py::test_cell_matches_its_reference"

@@ -1,6 +1,6 @@
-"""The pairwise matrix: features combined across ten axes, every pair of values in at least one cell.
+"""The pairwise matrix: features combined across eleven axes, every pair of values in at least one cell.
 
-An all-pairs covering array (not the full product, which has 124,416 cells): `CELLS` in matrix_cells.py is what
+An all-pairs covering array (not the full product, which has 248,832 cells): `CELLS` in matrix_cells.py is what
 `generate()` wrote, and tests/test_matrix.py checks that it still covers every pair. Each cell either trains and
 matches its reference, or the declaration (meshloom/planning/features.py) refuses it by name, and the test asserts
 that line. A pair of values that the declaration refuses (witnessed by a cell of that pair alone) is covered by its
@@ -88,12 +88,14 @@ AXES: dict[str, tuple[Value, ...]] = {
         Value("local_sgd", (), 3.0),
     ),
     "resume": (Value("straight"), Value("kill_restart", (), 1.6), Value("resume_other_layout", (), 1.6)),
+    # Chunks of 100 tokens leave a remainder on every layout's microbatch.
+    "loss": (Value("whole_loss"), Value("chunked_loss", ("loss.chunked=true", "loss.chunk_tokens=100"))),
 }
 
 # Values whose declared features differ from their names (a list: a value may turn on several).
 FEATURE_OF: dict[str, tuple[str, ...]] = {
     "1proc": (), "ac_none": (), "eager": (), "fp32": (), "adamw": (), "builtin": (), "causal": (), "ft_off": (),
-    "straight": (),
+    "straight": (), "whole_loss": (),
     "hsdp": ("hsdp", "fsdp"), "ep": ("ep", "fsdp"), "fsdp_tp": ("fsdp", "tp"), "muon_qk_clip": ("muon", "qk_clip"),
 }  # fmt: skip
 

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from meshloom.parallel.compile import build_loss_fn
+from meshloom.parallel.output_head import ChunkedOutputHead, chunked_mean_loss
 from meshloom.tensors import local_tensor
+
+if TYPE_CHECKING:
+    from meshloom.planning.run_plan import RunPlan
 
 MAIN_LOSS = "loss"
 
@@ -46,3 +53,24 @@ class TrainingLoss:
         values = [local_tensor(v.detach()).float() for v in (main, *aux)]
         values += [torch.zeros_like(values[0])] * (len(self.names) - len(values))  # eval mode: logits only
         return total, torch.stack(values)
+
+
+def next_token_loss(plan: RunPlan, parts: Sequence[nn.Module]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The cross-entropy a run trains on, given its model (or this rank's pipeline stages): with loss.chunked, the
+    chunked projection and loss of the output head (parallel/output_head.py) on the hidden states a training-mode
+    forward returns, and plain cross-entropy on the logits an eval-mode forward returns; otherwise whole logits."""
+    heads = [getattr(part, plan.spec.parallel.output, None) for part in parts]
+    head = next((h for h in heads if isinstance(h, ChunkedOutputHead)), None)
+    if head is None:
+        return build_loss_fn(plan.config.compile, cross_entropy_loss, loss_parallel=plan.loss_parallel)
+
+    def chunked(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Eager even under compile: the chunks' loop runs between compiled blocks (and its collectives under TP).
+        return chunked_mean_loss(head, output, labels) if head.training else cross_entropy_loss(output, labels)
+
+    return chunked
+
+
+def build_training_loss(plan: RunPlan, parts: Sequence[nn.Module]) -> TrainingLoss:
+    """The run's TrainingLoss: next_token_loss plus the family's auxiliary losses."""
+    return TrainingLoss(next_token_loss(plan, parts), plan.spec.aux_losses(plan.model_args))

@@ -10,10 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshloom.parallel.compile import build_loss_fn
 from meshloom.parallel.pipeline import PipelinePlan, SharedStageParameters, build_schedule
 from meshloom.planning.run_plan import RunPlan
-from meshloom.train.loss import TrainingLoss, cross_entropy_loss
+from meshloom.train.loss import TrainingLoss, build_training_loss, cross_entropy_loss
 from meshloom.train.model_setup import build_pipeline_stages
 
 
@@ -109,6 +108,5 @@ def build_pipeline(
     pp_mesh = plan.dims.mesh("pp")
     stage_ids = plan.pipeline.stages_of(pp_mesh.get_local_rank())
     stages = build_pipeline_stages(plan, device, stage_ids)
-    cross_entropy = build_loss_fn(plan.config.compile, cross_entropy_loss, loss_parallel=plan.loss_parallel)
-    loss_fn = TrainingLoss(cross_entropy, plan.spec.aux_losses(plan.model_args))
+    loss_fn = build_training_loss(plan, stages)
     return PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, compute_context, loss_fn)

@@ -27,7 +27,6 @@ from meshloom.observe.metrics import Throughput, peak_flops_per_second, peak_mem
 from meshloom.observe.profiler import StepProfiler
 from meshloom.observe.stragglers import RankStepTimes
 from meshloom.observe.summary import startup_summary
-from meshloom.parallel.compile import build_loss_fn
 from meshloom.parallel.context import batch_sharder
 from meshloom.parallel.document_balance import context_layout
 from meshloom.parallel.dims import DEGREE_NAMES, MESH_DIMS
@@ -46,7 +45,7 @@ from meshloom.planning.run_plan import RunPlan
 from meshloom.tensors import local_tensor
 from meshloom.train.fault import resume_after_restart
 from meshloom.train.fault_injection import FaultInjector
-from meshloom.train.loss import TrainingLoss, cross_entropy_loss
+from meshloom.train.loss import build_training_loss
 from meshloom.train.lr import build_lr_scheduler
 from meshloom.train.model_setup import build_model
 from meshloom.train.moe_balance import MoEBalancer
@@ -175,8 +174,7 @@ class Trainer:
             self.model_parts = [self.model]
         self.fsdp = any(isinstance(module, FSDPModule) for module in self.model.modules())
         self.loss_parallel = self.plan.loss_parallel
-        cross_entropy = build_loss_fn(self.config.compile, cross_entropy_loss, self.loss_parallel)
-        self.loss_fn = TrainingLoss(cross_entropy, self.plan.spec.aux_losses(self.model_args))
+        self.loss_fn = build_training_loss(self.plan, self.model_parts)
 
     def _build_observers(self) -> None:
         """Throughput and MFU, step-time spread, profiler and metric logging; rank 0 writes the run's config."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshloom.config.errors import UserError
@@ -34,6 +33,7 @@ from meshloom.models.common.init import init_embedding_and_output, trunc_normal_
 from meshloom.models.common.mla import MultiHeadLatentAttention
 from meshloom.models.common.moe import MoE, MoEArgs
 from meshloom.models.common.norm import RMSNorm
+from meshloom.models.common.output_loss import output_loss_sum
 from meshloom.models.common.rope import apply_rope, apply_rope_half, rope_tables
 from meshloom.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -230,8 +230,7 @@ class DeepSeekV3(nn.Module):
             ahead = self.sequence_shift(labels, k - 1, 0)
             targets = self.sequence_shift(labels, k, IGNORE_INDEX)
             hidden, normed = module(hidden, self.tok_embeddings(ahead), cos, sin, document_ids=document_ids)
-            logits = self.output(normed).float()
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = output_loss_sum(self.output, normed, targets)
             total = loss if total is None else total + loss
         return total / (positions * len(self.mtp))
 
