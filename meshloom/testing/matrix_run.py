@@ -17,6 +17,10 @@ from meshloom.testing import matrix
 from meshloom.testing.layout_parity import ParityCase
 from meshloom.testing.matrix import GROUPS, OTHER_LAYOUT, STEPS, STOP_AFTER, Cell, cell_id, cell_spec, data_args, ft_args
 from meshloom.testing.resume_parity import Case, CaseResult, launch
+from meshloom.testing.semi_sync_reference import EmulatedCase, EmulatedResult
+from meshloom.testing.semi_sync_reference import launch as launch_emulated
+
+SEMI_SYNC = ("diloco", "local_sgd")
 
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STOP_AFTER)]
 RESUME = [*SAVE, "--checkpoint.resume", "true"]
@@ -33,9 +37,11 @@ class Outcome:
     reference: list[float]
     model_digests: list[dict[str, str]] = field(default_factory=list)
     tolerance: float = 0.0
+    # DiLoCo and LocalSGD: per group, the losses of the same groups emulated in one process (semi_sync_reference).
+    group_references: list[list[float]] = field(default_factory=list)
 
 
-def _reference_spec(cell: Cell) -> str:
+def reference_spec(cell: Cell) -> str:
     """The cell's settings on one process, reading the whole global batch, eager and without activation
     checkpointing (neither changes what is computed, so the cell is held to the plainest run).
 
@@ -47,6 +53,16 @@ def _reference_spec(cell: Cell) -> str:
     if cell["data"] == "streaming" and dp > 1:
         return cell_spec(plain, matrix.Value(f"replicate{dp}", (f"dp_replicate={dp}",)))
     return cell_spec(plain, matrix.value("layout", "1proc"))
+
+
+def _emulated(cell: Cell, workdir: Path, paths: dict[str, str]) -> EmulatedCase:
+    """A DiLoCo or LocalSGD cell's groups in one process: one process per group, eager, without activation
+    checkpointing, straight through (a kill or a relayout must not change what the groups compute)."""
+    plain = {**cell, "ac": "ac_none", "compile": "eager"}
+    spec = cell_spec(plain, matrix.value("layout", "1proc"))
+    group_args = [ft_args(cell["ft"], g, "http://127.0.0.1:1") for g in range(GROUPS)]
+    name = f"emulated:{cell_id(cell)}"
+    return EmulatedCase(name, str(workdir / name.replace(":", "_")), spec, STEPS, GROUPS, group_args, data_args(cell["data"], paths))
 
 
 def _phases(cell: Cell, run_dir: Path, extra: list[str]) -> list[Case]:
@@ -75,24 +91,36 @@ def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[s
     references: dict[str, Case] = {}
     cases: list[Case] = []
     for cell in cells:
-        spec = _reference_spec(cell)
+        spec = reference_spec(cell)
         key = f"{spec}|{cell['data']}"
         if key not in references:
             references[key] = Case(f"ref{len(references)}", str(workdir / f"ref{len(references)}"), spec, STEPS, None, data_args(cell["data"], paths))
     for cell in sync:
         cases += _phases(cell, workdir / cell_id(cell), data_args(cell["data"], paths))
     results = _launch_on_both_cores(list(references.values()) + cases, workdir)
-    group_results = _run_groups(groups, workdir, paths)
+    emulated_cases = [_emulated(c, workdir, paths) for c in groups if c["ft"] in SEMI_SYNC]
+    emulated: dict[str, EmulatedResult] = {}
+    emulation = threading.Thread(target=lambda: emulated.update(launch_emulated(emulated_cases, _sharing_the_cache(workdir / "emulated", workdir))))
+    emulation.start()
+    try:
+        group_results = _run_groups(groups, workdir, paths)
+    finally:
+        emulation.join()
+    if len(emulated) != len(emulated_cases):
+        raise RuntimeError("the emulation of the semi-synchronous cells failed (see the output above)")
     outcomes = {}
     for cell in cells:
-        reference = results[references[f"{_reference_spec(cell)}|{cell['data']}"].name].losses
+        reference = results[references[f"{reference_spec(cell)}|{cell['data']}"].name].losses
         tolerance = ParityCase.parse(cell_spec(cell)).tolerance
         if cell["ft"] == "ft_off":
             losses, digests = _joined(results, _phases(cell, workdir, []))
             outcomes[cell_id(cell)] = Outcome([losses], reference, [digests], tolerance)
         else:
             per_group = [_joined(group_results[g], _phases(cell, workdir, [])) for g in range(GROUPS)]
-            outcomes[cell_id(cell)] = Outcome([p[0] for p in per_group], reference, [p[1] for p in per_group], tolerance)
+            outcome = Outcome([p[0] for p in per_group], reference, [p[1] for p in per_group], tolerance)
+            if cell["ft"] in SEMI_SYNC:
+                outcome.group_references = emulated[f"emulated:{cell_id(cell)}"].losses
+            outcomes[cell_id(cell)] = outcome
     return outcomes
 
 
