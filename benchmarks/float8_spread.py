@@ -7,7 +7,7 @@ on one process, eager, without activation checkpointing: what the matrix holds t
 three times: with the whole local batch at once, and cut into 2 and 4 microbatches of gradient accumulation. The
 three compute the same step in exact arithmetic; under Float8 each microbatch takes its own tensorwise scales (as
 each data-parallel rank of a layout does) and bf16 sums in another order, so the largest difference between their
-losses is Float8's own spread for those settings. A cell's layout cuts the batch no finer than 4 ways.
+losses is Float8's own spread for those settings. A cell's layout cuts the batch no finer than 4 ways (a run whose ranks read 2 sequences each is cut in 2 only).
 
 It prints, and writes as float8_spread.json and float8_spread.txt, each cell's spread (max |dloss| over the steps and
 the two cut runs against the whole one), with the commit and the CPU's flags. matrix.FLOAT8_TOLERANCE takes a bound
@@ -38,6 +38,7 @@ def _lscpu_flags() -> str:
 
 def main() -> None:
     from meshloom.testing import matrix
+    from meshloom.testing.layout_parity import ParityCase
     from meshloom.testing.matrix_cells import CELLS
     from meshloom.testing.matrix_run import reference_spec
     from meshloom.testing.resume_parity import Case, launch
@@ -57,8 +58,8 @@ def main() -> None:
         spec = reference_spec(dict(cell))
         specs[matrix.cell_id(cell)] = spec
         settings = dict(item.split("=", 1) for item in spec.split(","))
-        local = int(settings.get("training.local_batch_size", matrix.GLOBAL_BATCH))
-        for cut in MICROBATCHES:
+        local = int(settings.get("training.local_batch_size", matrix.GLOBAL_BATCH // ParityCase.parse(spec).dp))
+        for cut in [c for c in MICROBATCHES if local % c == 0]:  # a rank's batch of 2 is cut in 2 at most
             name = f"{matrix.cell_id(cell)}|{cut}"
             case_spec = ",".join(f"{k}={v}" for k, v in {**settings, "training.local_batch_size": str(local // cut)}.items())
             extra = matrix.data_args(cell["data"], paths)
@@ -68,8 +69,8 @@ def main() -> None:
     rows = {}
     for cell_id, spec in specs.items():
         whole = results[f"{cell_id}|1"].losses
-        cuts = {cut: results[f"{cell_id}|{cut}"].losses for cut in MICROBATCHES}
-        spread = max(abs(a - b) for cut in MICROBATCHES[1:] for a, b in zip(whole, cuts[cut], strict=True))
+        cuts = {cut: results[f"{cell_id}|{cut}"].losses for cut in MICROBATCHES if f"{cell_id}|{cut}" in results}
+        spread = max(abs(a - b) for cut, losses in cuts.items() if cut > 1 for a, b in zip(whole, losses, strict=True))
         rows[cell_id] = {"reference": spec, "losses": cuts, "spread": spread}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     report = {

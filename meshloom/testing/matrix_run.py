@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshloom.testing import matrix
 from meshloom.testing.layout_parity import ParityCase
 from meshloom.testing.matrix import GROUPS, OTHER_LAYOUT, STEPS, STOP_AFTER, Cell, cell_id, cell_spec, data_args, ft_args
-from meshloom.testing.resume_parity import Case, CaseResult, launch
+from meshloom.testing.matrix_checks import KILLED, cell_check
+from meshloom.testing.resume_parity import Case, CaseResult, launch, launch_killed
 from meshloom.testing.semi_sync_reference import EmulatedCase, EmulatedResult
 from meshloom.testing.semi_sync_reference import launch as launch_emulated
 
@@ -72,7 +74,7 @@ def _phases(cell: Cell, run_dir: Path, extra: list[str]) -> list[Case]:
         return [Case(name, str(run_dir), spec, STEPS, None, extra)]
     after = spec if cell["resume"] == "kill_restart" else cell_spec(cell, OTHER_LAYOUT[cell["layout"]])
     return [
-        Case(f"{name}:stop", str(run_dir), spec, STEPS, STOP_AFTER, [*extra, *SAVE]),
+        Case(f"{name}:stop", str(run_dir), spec, STEPS, STOP_AFTER, [*extra, *SAVE], kill=name in KILLED),
         Case(f"{name}:resume", str(run_dir), after, STEPS, None, [*extra, *RESUME]),
     ]
 
@@ -97,7 +99,11 @@ def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[s
             references[key] = Case(f"ref{len(references)}", str(workdir / f"ref{len(references)}"), spec, STEPS, None, data_args(cell["data"], paths))
     for cell in sync:
         cases += _phases(cell, workdir / cell_id(cell), data_args(cell["data"], paths))
-    results = _launch_on_both_cores(list(references.values()) + cases, workdir)
+    # A killed stop ends its launch: each runs alone, before the launches that hold its restart.
+    killed = [case for case in cases if case.kill]
+    halves = [(killed[i::2], _sharing_the_cache(workdir / f"killed{i}", workdir)) for i in range(2)]
+    results = {k: v for part in _side_by_side(halves, _launch_each_killed) for k, v in part.items()}
+    results.update(_launch_on_both_cores(list(references.values()) + [c for c in cases if not c.kill], workdir))
     emulated_cases = [_emulated(c, workdir, paths) for c in groups if c["ft"] in SEMI_SYNC]
     emulated: dict[str, EmulatedResult] = {}
     emulation = threading.Thread(target=lambda: emulated.update(launch_emulated(emulated_cases, _sharing_the_cache(workdir / "emulated", workdir))))
@@ -111,7 +117,7 @@ def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[s
     outcomes = {}
     for cell in cells:
         reference = results[references[f"{reference_spec(cell)}|{cell['data']}"].name].losses
-        tolerance = ParityCase.parse(cell_spec(cell)).tolerance
+        tolerance = cell_check(cell).tolerance
         if cell["ft"] == "ft_off":
             losses, digests = _joined(results, _phases(cell, workdir, []))
             outcomes[cell_id(cell)] = Outcome([losses], reference, [digests], tolerance)
@@ -146,8 +152,14 @@ def _launch_on_both_cores(cases: list[Case], workdir: Path) -> dict[str, CaseRes
     return {**beside_results, **main_results}
 
 
-def _side_by_side(launches: list[tuple[list[Case], Path]]) -> list[dict[str, CaseResult]]:
-    """resume_parity.launch of every (cases, work folder) at once, a thread each; the first failure is raised."""
+def _launch_each_killed(cases: list[Case], home: Path) -> dict[str, CaseResult]:
+    return {case.name: launch_killed(case, home) for case in cases}
+
+
+def _side_by_side(
+    launches: list[tuple[list[Case], Path]], launch: Callable[[list[Case], Path], dict[str, CaseResult]] = launch
+) -> list[dict[str, CaseResult]]:
+    """`launch` (resume_parity's) of every (cases, work folder) at once, a thread each; the first failure is raised."""
     results: list[dict[str, CaseResult]] = [{} for _ in launches]
     errors: list[BaseException] = []
 

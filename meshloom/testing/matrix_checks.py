@@ -1,0 +1,121 @@
+"""What each cell of the pairwise matrix proves: its reference, its tolerance and its step count.
+
+tests/test_matrix.py asserts exactly what `cell_check` returns, and docs/compatibility.md prints it for the cell it
+cites (the strongest cell of each pair, `strength`), so the table states what the test holds.
+
+- A synchronous cell (its layout, AC, compile, data, optimizer...) must report the losses of one process with its
+  settings (eager, without AC) at every step; a streaming cell of several data-parallel ranks, those of pure
+  replication of that degree (each rank reads its own share of the stream).
+- Replica groups (2 groups, gradients averaged every step): every group, the same one process.
+- DiLoCo and LocalSGD (a sync every matrix.SYNC_EVERY steps): every group, the same groups emulated in one process
+  with the outer step (meshloom/testing/semi_sync_reference.py), and both groups end with bit-equal weights.
+- kill + restart and resume on another layout: the same, over the stop and the resume joined. In the cells of
+  KILLED the stop is a real SIGKILL of every rank right after the step-2 checkpoint is committed; in the others
+  the run leaves its loop at that point.
+
+Every reference must itself train: its mean loss falls by TRAINS_BY or more over the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshloom.testing import matrix
+from meshloom.testing.layout_parity import FP32_TOLERANCE, ParityCase
+from meshloom.testing.matrix_cells import CELLS
+
+# A reference (the one process, or the emulated groups' mean) must fall by this much over matrix.STEPS steps: a run
+# that does not train cannot pass as a reference. Measured falls (2026-12-04): 0.10 to 0.28.
+TRAINS_BY = 0.05
+
+# Float8 cells: a bound per cell, 2x the Float8 spread that benchmarks/float8_spread.py measured on the cell's own
+# reference settings (the same run with its batch cut into 2 and 4 microbatches: each takes its own scales, as each
+# data-parallel rank does), rounded up to 1 significant digit; raw output in
+# benchmarks/results/2026-12-04/float8_spread.txt.
+FLOAT8_TOLERANCE: dict[str, float] = {}
+
+# The matrix's layouts by class; at least one kill + restart cell of each class is killed for real.
+LAYOUT_CLASSES: dict[str, tuple[str, ...]] = {
+    "one process": ("1proc",),
+    "data-parallel sharding": ("fsdp", "hsdp", "ep"),
+    "model parallel": ("tp", "pp", "cp", "fsdp_tp"),
+}
+
+
+def layout_class(cell: dict[str, str]) -> str:
+    return next(name for name, layouts in LAYOUT_CLASSES.items() if cell["layout"] in layouts)
+
+
+def _killed() -> frozenset[str]:
+    """The first synchronous kill + restart cell of each layout class (replica-group cells stop in-process: a killed
+    group is tests/test_replica_groups.py::test_killed_group_rejoins_from_the_live_group_and_ends_bitwise_equal)."""
+    chosen: dict[str, str] = {}
+    for cell in CELLS:
+        if cell["resume"] == "kill_restart" and cell["ft"] == "ft_off":
+            chosen.setdefault(layout_class(cell), matrix.cell_id(cell))
+    return frozenset(chosen.values())
+
+
+KILLED = _killed()
+
+# The kinds of reference, strongest first: the table cites, for each pair, the cell of the smallest tolerance and
+# then of the strongest kind.
+REFERENCES = (
+    "one process",
+    "pure replication",
+    "one process, every group",
+    "the groups emulated in one process",
+)
+
+
+@dataclass(frozen=True)
+class CellCheck:
+    reference: str
+    """Which run the cell's losses must equal (one of REFERENCES)."""
+
+    tolerance: float
+    """Largest |loss - reference loss| allowed at any step."""
+
+    steps: int
+    """Steps trained (a stop and its resume: together)."""
+
+    stop: str = ""
+    """How a kill or relayout cell stops: "SIGKILL", "in-process" or "" (it runs straight)."""
+
+    extra: tuple[str, ...] = ()
+    """Further assertions, and settings the cell changes from the defaults (the table prints them)."""
+
+    @property
+    def strength(self) -> tuple[float, int]:
+        return (self.tolerance, REFERENCES.index(self.reference))
+
+    def describe(self) -> str:
+        stop = {"SIGKILL": "; SIGKILL of every rank after the step-2 checkpoint, then a restart",
+                "in-process": "; stopped in-process after the step-2 checkpoint, then resumed", "": ""}[self.stop]  # fmt: skip
+        extra = "".join(f"; {e}" for e in self.extra)
+        return f"{self.steps} steps, every loss within {self.tolerance:g} of {self.reference}{stop}{extra}"
+
+
+def cell_check(cell: dict[str, str]) -> CellCheck:
+    spec = ParityCase.parse(matrix.cell_spec(cell))
+    tolerance = FLOAT8_TOLERANCE[matrix.cell_id(cell)] if cell["float8"] == "float8" else spec.tolerance
+    assert cell["float8"] == "float8" or tolerance == FP32_TOLERANCE, (matrix.cell_id(cell), tolerance)
+    extra: list[str] = []
+    if cell["ft"] in ("diloco", "local_sgd"):
+        reference = "the groups emulated in one process"
+        extra.append("both groups end with bit-equal weights")
+        if cell["family"] in matrix.MOE_FAMILIES:
+            extra.append("runs with moe.bias_update_rate=0 (the default is refused with semi-sync groups)")
+    elif cell["ft"] == "replica_groups":
+        reference = "one process, every group"
+    elif cell["data"] == "streaming" and ParityCase.parse(matrix.cell_spec({**cell, "ft": "ft_off"})).dp > 1:
+        reference = "pure replication"
+    else:
+        reference = "one process"
+    if cell["resume"] == "straight":
+        stop = ""
+    else:
+        stop = "SIGKILL" if matrix.cell_id(cell) in KILLED else "in-process"
+    if cell["resume"] == "resume_other_layout":
+        extra.append(f"resumed on {matrix.OTHER_LAYOUT[cell['layout']].name}")
+    return CellCheck(reference, tolerance, matrix.STEPS, stop, tuple(extra))
