@@ -134,7 +134,8 @@ def render() -> str:
     from meshloom.planning.features import FEATURES
 
     for name, proofs in NON_AXIS_PROOFS.items():
-        lines += [f"- {FEATURES[name].title} (`{FEATURES[name].setting}`): " + "; ".join(f"`{t}`: {what}" for t, what in proofs)]
+        setting = FEATURES[name].setting.replace("{model}", "model.name")
+        lines += [f"- {FEATURES[name].title} (`{setting}`): " + "; ".join(f"`{t}`: {what}" for t, what in proofs)]
     lines += ["", "## Refused", ""]
     lines += [f"- R{i}: refused: {note}" for i, note in enumerate(notes["R"], 1)]
     lines += ["", *_declaration_lines()]
