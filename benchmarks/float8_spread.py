@@ -10,8 +10,8 @@ each data-parallel rank of a layout does) and bf16 sums in another order, so the
 losses is Float8's own spread for those settings. A cell's layout cuts the batch no finer than 4 ways (a run whose ranks read 2 sequences each is cut in 2 only).
 
 It prints, and writes as float8_spread.json and float8_spread.txt, each cell's spread (max |dloss| over the steps and
-the two cut runs against the whole one), with the commit and the CPU's flags. matrix.FLOAT8_TOLERANCE takes a bound
-per cell from this output (see its comment).
+the two cut runs against the whole one), with the commit and the CPU's flags. matrix_checks.FLOAT8_SPREAD_BOUND takes a
+bound per cell from this output (see its comment).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshloom.testing import matrix
-from meshloom.testing.layout_parity import FP32_TOLERANCE, ParityCase
+from meshloom.testing.layout_parity import BF16_TOLERANCE, FP32_TOLERANCE, ParityCase
 from meshloom.testing.matrix_cells import CELLS
 
 # A reference (the one process, or the emulated groups' mean) must fall by this much over matrix.STEPS steps: a run
@@ -31,9 +31,13 @@ TRAINS_BY = 0.05
 # Float8 cells: a bound per cell, 2x the Float8 spread that benchmarks/float8_spread.py measured on the cell's own
 # reference settings (the same run with its batch cut into 2 and 4 microbatches: each takes its own scales, as each
 # data-parallel rank does), rounded up to 1 significant digit. Measured 2026-12-04 (spreads 2.6e-4 to 1.4e-3), raw
-# output in FLOAT8_SPREAD; tests/test_matrix.py holds these bounds to that file.
+# output in FLOAT8_SPREAD; tests/test_matrix.py holds these bounds to that file. A cell of several ranks adds the
+# parity harness's bf16 bound (BF16_TOLERANCE, layout_parity.py): its ranks compute in bf16 by another path than the
+# one process's autocast (FSDP's cast parameters, sharded matmuls), which the cut runs do not see; measured on the
+# matrix (2026-12-04), FSDP 2 1.65e-3, CP 2 2.57e-3 and FSDP 2 x TP 2 2.39e-3 above the one process, all beyond 2x
+# their spread.
 FLOAT8_SPREAD = "benchmarks/results/2026-12-04/float8_spread.json"
-FLOAT8_TOLERANCE: dict[str, float] = {
+FLOAT8_SPREAD_BOUND: dict[str, float] = {
     "deepseek_v3-pp-ac_none-eager-float8-muon_qk_clip-shards-causal-ft_off-resume_other_layout": 0.0007,
     "qwen3-hsdp-ac_none-eager-float8-muon-streaming-document_mask-ft_off-straight": 0.0006,
     "llama3-fsdp-ac_selective-eager-float8-muon_qk_clip-builtin-causal-ft_off-straight": 0.0006,
@@ -110,9 +114,15 @@ class CellCheck:
         return f"{self.steps} steps, every loss within {self.tolerance:g} of {self.reference}{stop}{extra}"
 
 
+def float8_tolerance(cell: dict[str, str]) -> float:
+    """The Float8 cell's bound: its spread bound, plus the bf16 bound when its layout has several ranks."""
+    several_ranks = ParityCase.parse(matrix.cell_spec({**cell, "ft": "ft_off"})).world_size > 1
+    return FLOAT8_SPREAD_BOUND[matrix.cell_id(cell)] + (BF16_TOLERANCE if several_ranks else 0.0)
+
+
 def cell_check(cell: dict[str, str]) -> CellCheck:
     spec = ParityCase.parse(matrix.cell_spec(cell))
-    tolerance = FLOAT8_TOLERANCE[matrix.cell_id(cell)] if cell["float8"] == "float8" else spec.tolerance
+    tolerance = float8_tolerance(cell) if cell["float8"] == "float8" else spec.tolerance
     assert cell["float8"] == "float8" or tolerance == FP32_TOLERANCE, (matrix.cell_id(cell), tolerance)
     extra: list[str] = []
     if cell["ft"] in ("diloco", "local_sgd"):
