@@ -31,6 +31,11 @@ def test_every_mode_is_a_valid_config():
         "compile": (True, False, "none"),
         "compile_float8": (True, True, "none"),
         "compile_selective_ac": (True, False, "selective_op"),
+        "bare_eager": (False, False, "none"),
+        "bare_compile": (True, False, "none"),
+        "qwen3_moe_compile": (True, False, "none"),
+        "deepseek_v3_compile": (True, False, "none"),
+        "llama3_8b_8_blocks": (True, False, "selective_op"),
         "gpt_oss_flex_compile": (True, False, "none"),
         "qwen3_next_fla": (False, False, "none"),
     }
@@ -79,3 +84,24 @@ def test_overhead_benchmark_runs_its_rounds_with_its_own_model(tmp_path):
     ratios = proc.stdout.split("per-round ratios:")[1].split()
     assert len(ratios) == 3 and all(float(r) > 0 for r in ratios)
     assert "min " in proc.stdout and " median " in proc.stdout and "(IQR " in proc.stdout
+
+
+def test_gpu_campaign_smoke_on_cpu(tmp_path):
+    """benchmarks/gpu_campaign.sh end to end on CPU: the CUDA tests skip, one Trainer mode and the plain-PyTorch step
+    train, the dry run's estimate joins the table, and no more than 8 files are written."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEVICE": "cpu", "OUT": str(out), "PYTHON": sys.executable,
+           "MODES": "eager_bf16,bare_eager", "COMMIT": "smoke"}  # fmt: skip
+    cmd = ["bash", str(REPO / "benchmarks" / "gpu_campaign.sh"), "--flavor", "tiny", "--seq-len", "64", "--batch", "2",
+           "--warmup", "1", "--steps", "2", "--data-bytes", "400000", "--vocab-size", "512",
+           "--data-cache", str(tmp_path / "cache")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["campaign.json", "campaign.md", "campaign_stdout.txt", "dry_runs.txt", "environment.txt",
+                       "modes.log", "pytest_cuda.txt"]  # fmt: skip
+    assert "commit: smoke" in (out / "environment.txt").read_text()
+    rows = {r["mode"]: r for r in json.loads((out / "campaign.json").read_text())["results"]}
+    assert rows["eager_bf16"]["status"] == "ok" and rows["eager_bf16"]["estimate_gib"] is not None
+    assert rows["bare_eager"]["status"] == "ok" and "(plain PyTorch)" in rows["bare_eager"]["model"]
+    assert "skipped" in (out / "pytest_cuda.txt").read_text()

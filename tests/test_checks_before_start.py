@@ -56,9 +56,8 @@ def test_a_tokenizer_file_is_read_for_its_size_where_it_exists(tmp_path: Path, c
 
 def test_grouped_mm_on_is_decided_from_the_shapes_and_the_declared_device(capsys) -> None:
     moe = ["--model.name", "qwen3", "--model.flavor", "tiny_moe", "--data.vocab_size", "512", "--moe.grouped_mm", "on"]
-    refused(capsys, "moe.grouped_mm = 'on', but torch._grouped_mm does not run on cuda in torch.float32 with the "
-            "experts' sizes [64] (CPU: fp32/bf16, CUDA: bf16 on sm90+; rows a multiple of 16 bytes); set "
-            "moe.grouped_mm = 'auto' or 'off'", *moe, "--training.device", "cuda")  # fmt: skip
+    refused(capsys, "moe.grouped_mm = 'on', but torch._grouped_mm cannot run here: on CUDA it runs in bf16 only, and "
+            "this run computes in torch.float32; set moe.grouped_mm = 'auto' or 'off'", *moe, "--training.device", "cuda")  # fmt: skip
     assert dry_run(capsys, *moe, "--training.device", "cuda", "--training.mixed_precision", "bf16")[0] == 0
     assert dry_run(capsys, *moe, "--training.device", "cpu")[0] == 0
 
@@ -80,8 +79,8 @@ def test_a_dry_run_for_cuda_refuses_what_the_cuda_run_refuses(settings: list[str
 
 def test_async_tp_is_refused_on_a_declared_cpu_run(capsys) -> None:
     settings = [*TINY, "--compile.async_tp", "true", "--compile.enable", "true", "--parallelism.tp", "2"]
-    refused(capsys, "compile.async_tp needs CUDA GPUs (symmetric memory and inductor's micro-pipeline TP pass); this run "
-            "is on cpu: set compile.async_tp = false", *settings, "--training.device", "cpu")  # fmt: skip
+    refused(capsys, "compile.async_tp cannot run here: it needs CUDA symmetric memory and this run is on cpu; set "
+            "compile.async_tp = false", *settings, "--training.device", "cpu")  # fmt: skip
     assert dry_run(capsys, *settings, "--training.device", "cuda")[0] == 0
 
 

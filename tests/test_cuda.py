@@ -92,3 +92,25 @@ def test_cuda_memory_snapshot_is_written_after_the_profiled_window(tmp_path, dat
     with open(snapshot, "rb") as f:  # written by torch.cuda.memory._dump_snapshot in this test
         data = pickle.load(f)
     assert data["segments"] and any(trace for trace in data["device_traces"])  # allocations were recorded
+
+
+FAMILIES = [
+    ("llama3", "tiny"), ("qwen3", "tiny_moe"), ("deepseek_v3", "tiny"), ("gpt_oss", "tiny"), ("qwen3_next", "tiny"),
+]
+
+
+@pytest.mark.parametrize(("family", "flavor"), FAMILIES)
+def test_every_family_trains_compiled_in_bf16_on_cuda(tmp_path, data_cache, family, flavor):
+    """What training runs: the Trainer, bf16, compile, forward and backward, three optimizer steps, each MoE family's
+    routed experts with moe.grouped_mm = 'auto' (grouped on sm90+), and the kernel the plan chose for each block."""
+    argv = base_overrides(3, tmp_path) + CUDA + [
+        "--data.cache_dir", str(data_cache), "--training.mixed_precision", "bf16", "--compile.enable", "true",
+        "--model.name", family, "--model.flavor", flavor,
+    ]  # fmt: skip
+    trainer, losses = _losses(argv, 3)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    experts = [m for m in trainer.model.modules() if hasattr(m, "grouped_mm")]
+    if family in ("qwen3", "deepseek_v3", "gpt_oss"):
+        assert experts and all(m.grouped_mm is (torch.cuda.get_device_capability() >= (9, 0)) for m in experts)
+        assert all(m.compute_dtype is torch.bfloat16 for m in experts)
+    assert trainer.plan.kernels.lines, "the start-up summary names each block's kernel"

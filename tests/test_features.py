@@ -36,7 +36,8 @@ def test_each_declared_pair_is_refused_with_its_line(conflict: Conflict, tmp_pat
 
 def _facts(config, world: int) -> Facts:
     spec = get_model_spec(config.model.name)
-    return run_facts(config, ParallelDims.from_config(config.parallelism, world), spec, spec.shape_model(configured_model_args(config.model)))
+    args = configured_model_args(config.model)
+    return run_facts(config, ParallelDims.from_config(config.parallelism, world), spec, spec.shape_model(args), args)
 
 
 def test_every_feature_of_a_conflict_has_a_witness_that_turns_it_on(tmp_path: Path) -> None:

@@ -372,6 +372,16 @@ class MoEConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Optional kernels a run may force (meshloom/planning/kernels.py declares what each needs). The routed experts'
+    grouped matmul is `moe.grouped_mm`."""
+
+    gated_delta: Literal["auto", "fla", "torch"] = "auto"
+    """Gated DeltaNet's rule: fla = flash-linear-attention's Triton kernels (CUDA; on Hopper, training needs
+    Triton >= 3.7.1), torch = meshloom's plain-torch chunked rule, auto = fla where it can run, else torch."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -388,6 +398,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)

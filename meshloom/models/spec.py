@@ -19,7 +19,7 @@ Everything family-specific sits behind one spec in `meshloom/models/<family>/`; 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,15 @@ class ModelSpec:
     # The attention kernel the family's layers run: "sdpa", or "flex" (FlexAttention: windows, sinks), whose
     # constraints (meshloom/planning/features.py) apply to the family.
     attention_kernel: str = "sdpa"
+    # Each block's token mixer, by block index: "sdpa", "flex" or "gated_delta" (linear attention). The kernel plan
+    # (meshloom/planning/kernels.py) chooses a kernel per kind and the summary names the blocks; None = every block
+    # runs attention_kernel.
+    mixers: Callable[[Any], Sequence[str]] | None = None
+
+    def block_mixers(self, args: Any) -> Sequence[str]:
+        if self.mixers is not None:
+            return self.mixers(args)
+        return [self.attention_kernel] * self.shape_model(args).n_layers
 
     @property
     def args_cls(self) -> type:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from meshloom.config.schema import Config
@@ -49,6 +50,7 @@ def startup_summary(
     grad_accum_steps: int,
     checkpoint_root: Path,
     start_step: int,
+    kernels: Sequence[str] = (),
 ) -> str:
     m, t = config.model, config.training
     active = f" ({_count(active_params)} active per token)" if active_params < total_params else ""
@@ -69,6 +71,7 @@ def startup_summary(
         f"  checkpoints    {checkpoints}",
         f"  resize         {describe_resize(config.parallelism)}",
     ]
+    lines += [f"  kernel         {choice}" for choice in kernels]
     if (warning := bf16_cpu_warning(t.mixed_precision, device)) is not None:
         lines.append(f"  note           {warning}")
     if config.optimizer.name == "Muon":

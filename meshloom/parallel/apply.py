@@ -1,6 +1,6 @@
 """The one driver that applies parallelism to a model (or to one pipeline stage of it), in a fixed order:
 
-Float8 -> tensor/sequence parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> FSDP.
+kernel choices -> Float8 -> tensor/sequence parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> FSDP.
 
 Float8 swaps the linear layers first, so TP and FSDP both see Float8Linear modules. TP then places the root (embedding,
 final norm, output head) and each block by the family's plan. CP swaps every attention's core for ring attention (a linear-attention layer's for state passing); EP
@@ -33,6 +33,7 @@ from meshloom.parallel.state_passing import StatePassingCore
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from meshloom.planning.kernels import KernelPlan
     from meshloom.planning.run_plan import RunPlan
 
 # A block's tensor-parallel plan: applied to the block in order (a later plan may wrap a module an earlier one placed).
@@ -121,10 +122,25 @@ def apply_tensor_parallel(model: nn.Module, parts: ParallelParts, tp_mesh, loss_
             parallelize_module(block, tp_mesh, dict(plan))
 
 
-def apply_context_parallel(model: nn.Module, parts: ParallelParts, cp_mesh, layout: SequenceLayout, seq_len: int) -> None:
+def apply_kernel_plan(model: nn.Module, parts: ParallelParts, kernels: KernelPlan) -> None:
+    """Hand the modules the run's kernel choices as plain values, so that no forward asks the device: the routed
+    experts' grouped matmul and cast, and each attention core's kernel (a core with `configured` takes the plan's
+    values it uses)."""
+    for layer in parts.moe_layers(model):
+        layer.experts.grouped_mm, layer.experts.compute_dtype = kernels.grouped_mm, kernels.expert_dtype
+    for block in parts.blocks(model).values():
+        attention = parts.attention(block)
+        if hasattr(attention.core, "configured"):
+            attention.core = attention.core.configured(fla_ops=kernels.fla_ops, eager_operator=kernels.flex_eager_operator)
+
+
+def apply_context_parallel(
+    model: nn.Module, parts: ParallelParts, cp_mesh, layout: SequenceLayout, seq_len: int, kernels: KernelPlan
+) -> None:
     """Ring attention over the cp group in every softmax-attention block, state passing in every linear-attention
     block (both on the one token layout), and the RoPE positions of this rank's sequence shard."""
-    ring, state_passing = RingAttentionCore(cp_mesh.get_group(), layout), StatePassingCore(cp_mesh.get_group(), layout)
+    ring = RingAttentionCore(cp_mesh.get_group(), layout)
+    state_passing = StatePassingCore(cp_mesh.get_group(), layout, fla=kernels.fla_ops)
     for block in parts.blocks(model).values():
         parts.attention(block).core = state_passing if parts.passes_state(block) else ring
     if parts.on_context_parallel is not None:
@@ -137,6 +153,7 @@ def parallelize(model: nn.Module, plan: RunPlan) -> nn.Module:
     Also applied to each pipeline stage (a model with some blocks, the embedding or the output removed)."""
     parts, dims, config = plan.spec.parallel, plan.dims, plan.config
     data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
+    apply_kernel_plan(model, parts, plan.kernels)
     if config.float8.enable:
         convert_to_float8(model, config.float8, fsdp=data_parallel, tp=dims.tp)
     if dims.tp > 1:
@@ -144,7 +161,8 @@ def parallelize(model: nn.Module, plan: RunPlan) -> nn.Module:
         if config.compile.async_tp:
             enable_async_tp()
     if dims.cp > 1:
-        apply_context_parallel(model, parts, dims.mesh("cp"), context_layout(dims, config.parallelism), config.training.seq_len)
+        apply_context_parallel(model, parts, dims.mesh("cp"), context_layout(dims, config.parallelism), config.training.seq_len,
+                               plan.kernels)
     experts = apply_expert_parallel(list(parts.moe_layers(model)), dims) if dims.ep > 1 else None
     blocks = nn.ModuleDict(dict(parts.blocks(model)))
     apply_activation_checkpointing(blocks, config.activation_checkpoint)

@@ -28,11 +28,10 @@ def check_compile_config(config: CompileConfig, device_type: str) -> None:
     That it needs compile and tensor parallel is declared in meshloom/planning/features.py."""
     if not config.async_tp:
         return
-    if device_type != "cuda":
-        raise ConfigError(
-            "compile.async_tp needs CUDA GPUs (symmetric memory and inductor's micro-pipeline TP pass); "
-            f"this run is on {device_type}: set compile.async_tp = false"
-        )
+    from meshloom.planning.kernels import DeviceFacts, async_tp_blocker  # noqa: PLC0415 (planning imports this module)
+
+    if (why := async_tp_blocker(DeviceFacts(device_type))) is not None:
+        raise ConfigError(f"compile.async_tp cannot run here: {why}; set compile.async_tp = false")
 
 
 def set_cache_dir(config: CompileConfig) -> None:

@@ -53,14 +53,11 @@ def float8_targets(model: nn.Module, tp: int = 1) -> tuple[list[str], list[str]]
     return converted, unusable
 
 
-def check_float8_config(config: Float8Config, model: nn.Module, device: torch.device | None, tp: int) -> None:
-    """Bad settings as ConfigErrors; `model` may be a meta-device copy (only shapes are read). Without a `device`
-    (planning a run elsewhere) the GPU's own float8 support is not known and not checked."""
+def check_float8_config(config: Float8Config, model: nn.Module, tp: int) -> None:
+    """Bad settings as ConfigErrors; `model` may be a meta-device copy (only shapes are read). The GPU's own float8
+    support is a kernel condition (meshloom/planning/kernels.py)."""
     if not config.enable:
         return
-    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"float8.enable needs float8 tensor cores (compute capability >= 8.9, e.g. H100); {name} has none")
     converted, unusable = float8_targets(model, tp)
     if not converted:
         shapes = ", ".join(

@@ -23,6 +23,7 @@ gradient for them, exactly. `bytes_sent` counts what this rank sends, by the rin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -99,8 +100,9 @@ class StatePassingCore:
     model uses (`resolve()`, `rank_chunks(rank)`, `chunks_per_rank`, `num_chunks`, `cp`); document_ids [b,
     shard_len] is this rank's shard of the batch's ids."""
 
-    def __init__(self, group: dist.ProcessGroup, layout: Layout, chunk_size: int = 64):
+    def __init__(self, group: dist.ProcessGroup, layout: Layout, chunk_size: int = 64, fla: ModuleType | None = None):
         self.group = group
+        self.fla = fla  # fla's ops where the run's kernel plan chose them for the local pass (meshloom/planning/kernels.py)
         self.layout = layout
         self.chunk_size = chunk_size  # the chunked rule's own chunks inside each context-parallel chunk
         self.rank = dist.get_rank(group)
@@ -120,7 +122,7 @@ class StatePassingCore:
         start = torch.zeros(per_rank * b, h, dk, dv + dk, device=q.device)
         start[..., dv:] = torch.eye(dk, device=q.device)
         out, final = chunk_gated_delta_rule(*chunks, scale=scale, initial_state=start, document_ids=ids,
-                                            chunk_size=self.chunk_size)
+                                            chunk_size=self.chunk_size, fla=self.fla)
         # Rank-major, shard order: [cp * per_rank, b, h, dk, dv + dk] = every chunk's [B | T].
         pairs = all_gather_rows(final.unflatten(0, (per_rank, b)), self.group, self.bytes_sent)
         starts_document = None if document_ids is None else self._starts_document(document_ids, layout, 1)

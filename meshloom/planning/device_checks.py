@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.models.common.moe import grouped_mm_device_type_supported, grouped_mm_supported
 from meshloom.parallel.compile import check_compile_config
 from meshloom.parallel.float8 import check_float8_config, float8_targets
+from meshloom.planning.kernels import DeviceFacts, KernelPlan, check_float8_device, plan_kernels
 
 if TYPE_CHECKING:
     from meshloom.planning.run_plan import RunPlan
@@ -29,35 +28,17 @@ def planned_device_type(config: Config, device: torch.device | None) -> str:
     return "cpu" if config.training.device == "cpu" else "cuda"
 
 
-def check_device_settings(plan: RunPlan, device: torch.device | None) -> None:
-    """compile.async_tp, float8 and moe.grouped_mm against the run's device (or declared device type)."""
+def check_device_settings(plan: RunPlan, device: torch.device | None) -> KernelPlan:
+    """compile.async_tp and float8 against the run's device (or declared device type), and the kernel of each block
+    (forced choices that cannot run here are refused). The device's facts are read here, once."""
     config, device_type = plan.config, planned_device_type(plan.config, device)
+    facts = DeviceFacts.probe(device_type, device)
     check_compile_config(config.compile, device_type)
     if config.float8.enable:
+        check_float8_device(facts)
         with torch.device("meta"):  # shapes only: nothing is allocated
-            check_float8_config(config.float8, plan.spec.model_cls(plan.model_args), device, plan.dims.tp)
-    _check_grouped_mm(plan, device_type, device)
-
-
-def _check_grouped_mm(plan: RunPlan, device_type: str, device: torch.device | None) -> None:
-    if plan.config.moe.grouped_mm != "on":
-        return
-    shape = plan.shape()
-    sizes = tuple(sorted({
-        size for layer in range(shape.n_layers) for param in shape.block_params(layer) if param.expert
-        for size in param.shape[1:]
-    }))  # fmt: skip
-    dtype = plan.compute_dtype
-    if device is not None:
-        runs = grouped_mm_supported(device, dtype, sizes)
-    else:
-        runs = grouped_mm_device_type_supported(device_type, dtype, sizes)
-    if not runs:
-        raise ConfigError(
-            f"moe.grouped_mm = 'on', but torch._grouped_mm does not run on {device_type} in {dtype} with the experts' "
-            f"sizes {list(sizes)} (CPU: fp32/bf16, CUDA: bf16 on sm90+; rows a multiple of 16 bytes); set "
-            "moe.grouped_mm = 'auto' or 'off'"
-        )
+            check_float8_config(config.float8, plan.spec.model_cls(plan.model_args), plan.dims.tp)
+    return plan_kernels(config, plan.spec, plan.model_args, plan.dims.tp, facts)
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,6 +39,8 @@ class DryRunReport:
     seconds: float
     # The device kind whose kernels the activation estimate counts (training.device; "auto" counts GPUs).
     kernels: str = "cuda"
+    # Which kernel each kind of block runs, and why (RunPlan.kernels).
+    kernel_choices: tuple[str, ...] = ()
 
     def format(self) -> str:
         m = self.memory
@@ -56,6 +58,9 @@ class DryRunReport:
             "  communication per step (bytes one rank sends; the busiest pipeline stage in each dimension):",
         ]
         lines += [f"    {dim:<13} {self.comm_bytes[dim] / GIB:10.2f} GiB" for dim in COMM_DIMS]
+        if self.kernel_choices:
+            lines.append("  kernels:")
+            lines += [f"    {choice}" for choice in self.kernel_choices]
         return "\n".join(lines)
 
 
@@ -100,7 +105,7 @@ def dry_run(config: Config, world_size: int, trains_tokenizer: bool = False) -> 
     rank_params = estimate_memory(shape, layout, tc.seq_len, precision, stage_index=0).params
     return DryRunReport(
         world_size, layout.describe(), built, rank_params, memory, model_flops, executed_flops, comm,
-        time.perf_counter() - start, precision.device,
+        time.perf_counter() - start, precision.device, plan.kernels.lines,
     )  # fmt: skip
 
 

@@ -34,6 +34,9 @@ class Facts:
     hf_balancing_bias: bool = True
     """Whether the family's Hugging Face format holds the MoE balancing bias (models/hf_adapter.py)."""
 
+    mixers: tuple[str, ...] = ()
+    """Each block's token mixer (ModelSpec.block_mixers): "sdpa", "flex" or "gated_delta"."""
+
     @property
     def on_cpu(self) -> bool:
         """Whether the run trains on CPU (training.device, "auto" on a machine without CUDA)."""

@@ -10,7 +10,7 @@ a tokenizer file that exists here is read for its size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from meshloom.models.shape import ShapeModel
 from meshloom.models.spec import ModelSpec
 from meshloom.planning.device_checks import check_device_settings
 from meshloom.planning.features import Facts, refuse_conflicts
+from meshloom.planning.kernels import KernelPlan
 from meshloom.planning.setting_scopes import refuse_idle_settings
 from meshloom.parallel.activation_checkpoint import check_activation_checkpoint_config
 from meshloom.parallel.dims import ParallelDims
@@ -56,6 +57,8 @@ class RunPlan:
     # Microbatches per optimizer step on each data-parallel rank, beyond the pipeline's own.
     grad_accum_steps: int
     pipeline: PipelinePlan | None
+    # The kernel each kind of block runs on this run's device, chosen once (meshloom/planning/kernels.py).
+    kernels: KernelPlan = KernelPlan()
 
     @classmethod
     def build(cls, config: Config, world_size: int, device: torch.device | None = None, model_args: Any = None) -> RunPlan:
@@ -74,7 +77,7 @@ class RunPlan:
             )
         dims = ParallelDims.from_config(config.parallelism, world_size)
         shape = spec.shape_model(args)
-        facts = run_facts(config, dims, spec, shape)
+        facts = run_facts(config, dims, spec, shape, args)
         refuse_idle_settings(facts)
         refuse_conflicts(facts)
         check_generic_layout(shape, dims)
@@ -92,8 +95,7 @@ class RunPlan:
         check_mixture_settings(config.data, tc.local_batch_size * accumulation * dims.dp, tc.seq_len)
         check_tokenizer_file_fits(config.data, args.vocab_size)
         plan = cls(config, world_size, spec, args, dims, accumulation, pipeline)
-        check_device_settings(plan, device)
-        return plan
+        return replace(plan, kernels=check_device_settings(plan, device))
 
     @property
     def dp(self) -> int:
@@ -143,9 +145,9 @@ def _check_hf_export(config: Config, spec: ModelSpec) -> None:
         raise ConfigError(f"checkpoint.hf_export_interval: the {spec.name} family has no Hugging Face format; set it to 0")
 
 
-def run_facts(config: Config, dims: ParallelDims, spec: ModelSpec, shape: ShapeModel) -> Facts:
+def run_facts(config: Config, dims: ParallelDims, spec: ModelSpec, shape: ShapeModel, args: Any) -> Facts:
     """What the feature declaration reads of a run: its settings, degrees and the model family's kind."""
     return Facts(
         config, dims, shape.n_experts, spec.attention_kernel,
-        hf_balancing_bias=not isinstance(spec.hf, UnexportedBalancingBias),
+        hf_balancing_bias=not isinstance(spec.hf, UnexportedBalancingBias), mixers=tuple(spec.block_mixers(args)),
     )

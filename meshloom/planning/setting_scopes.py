@@ -54,6 +54,7 @@ SCOPES: tuple[Scope, ...] = (
         lambda f: f.config.activation_checkpoint.mode == "memory_budget", "activation_checkpoint.mode = 'memory_budget'",
     ),
     Scope(("compile.cache_dir",), lambda f: f.config.compile.enable, "compile.enable = true"),
+    Scope(("kernels.gated_delta",), lambda f: "gated_delta" in f.mixers, "the model has Gated DeltaNet blocks (qwen3_next)"),
     Scope(
         ("compile.async_tp",), lambda f: f.config.compile.enable and f.dims.tp > 1,
         "compile.enable = true and parallelism.tp > 1 (it is a compiler pass over tensor-parallel collectives)",

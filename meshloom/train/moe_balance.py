@@ -51,7 +51,6 @@ class MoEBalancer:
         self.forwards_per_step = round(1 / scale)
         for _, layer in self.layers:
             layer.aux_loss_coef, layer.z_loss_coef, layer.loss_scale = settings.aux_loss_coef, settings.z_loss_coef, scale
-            layer.experts.grouped_mm = settings.grouped_mm
         distributed = dims.is_distributed
         self.dp_group = dims.mesh("dp_cp").get_group() if distributed and dims.dp * dims.cp > 1 else None
         self.pp_group = dims.mesh("pp").get_group() if distributed and dims.pp > 1 and self.enabled else None

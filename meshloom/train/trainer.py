@@ -196,6 +196,7 @@ class Trainer:
         return startup_summary(
             self.config, self.run_dir, shape.num_params(), shape.active_params(), degrees, self.world_size,
             str(self.device), self.tokens_per_step, self.grad_accum_steps, self.checkpointer.root, self.step,
+            self.plan.kernels.lines,
         )  # fmt: skip
 
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -115,13 +115,16 @@ def flex_attention(
     document_ids: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
+    eager_operator: bool = True,
 ) -> torch.Tensor:
     """Attention of q [b, heads, s, d] over k, v [b, kv_heads, s, d] (kv_heads a divisor of heads: grouped-query)
-    under `spec`, with one sink logit per head [heads] when given. Returns [b, heads, s, d] in q's dtype."""
+    under `spec`, with one sink logit per head [heads] when given. Returns [b, heads, s, d] in q's dtype.
+    eager_operator: the eager FlexAttention operator, which trains on any device (CPU needs it), rather than torch's
+    flex_attention (CUDA: the fused kernel once compiled); the run's kernel plan decides."""
     b, _, s, d = q.shape
     scale = d**-0.5 if scale is None else scale
     block_mask = _MASKS.get(spec, document_ids, b, s, q.device)
-    if q.device.type == "cpu":
+    if eager_operator:
         out, lse = _eager_flex(q, k, v, block_mask, scale)
     else:
         out, aux = flex.flex_attention(
@@ -157,19 +160,31 @@ def masked_attention_with_sinks(
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-def flex_core(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    document_ids: torch.Tensor | None = None,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+class FlexAttentionCore:
     """The attention core of a model whose kernel is FlexAttention: causal, with a window, documents and sinks when
     given. Context parallel swaps it for the ring (meshloom.parallel.context.RingAttentionCore), which takes the
-    same arguments."""
-    return flex_attention(q, k, v, MaskSpec(window=window), document_ids, sinks)
+    same arguments. Which FlexAttention runs is a plain value (`configured` takes the run's kernel plan); the default,
+    the eager operator, runs everywhere."""
+
+    # k and v arrive with their own (grouped) heads; FlexAttention reads query head i from kv head i // n_rep itself.
+    grouped_kv = True
+
+    def __init__(self, eager_operator: bool = True):
+        self.eager_operator = eager_operator
+
+    def configured(self, eager_operator: bool = True, **_: object) -> FlexAttentionCore:
+        return FlexAttentionCore(eager_operator)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return flex_attention(q, k, v, MaskSpec(window=window), document_ids, sinks, eager_operator=self.eager_operator)
 
 
-# k and v arrive with their own (grouped) heads; FlexAttention reads query head i from kv head i // n_rep itself.
-flex_core.grouped_kv = True  # type: ignore[attr-defined]
+flex_core = FlexAttentionCore()

@@ -6,7 +6,8 @@ State layout [b, h, dk, dv]. Per token, with the state first decayed and then co
 
 `chunk_gated_delta_rule` is the chunked (WY / UT-transform) form for training; `recurrent_gated_delta_rule` the
 token-by-token form for decoding and the reference the chunked one is tested against. Both compute in float32. On
-CUDA, with `fla` (the `fla-core` package) importable, both dispatch to its kernels.
+CUDA both can run flash-linear-attention's kernels instead: the caller passes fla's ops module (`fla`), which the
+run's kernel plan chose before the run (meshloom/planning/kernels.py); the rules themselves ask the device nothing.
 
 Documents: `document_ids [b, s]`; the state resets (to zero) wherever the id differs from the previous token's. Resets
 are exact: within a chunk every pairwise term is masked by "same document", and the state carried into a chunk is cut
@@ -15,7 +16,7 @@ at the first reset, instead of a large negative decay whose cumulative sums woul
 
 from __future__ import annotations
 
-import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ def chunk_gated_delta_rule(
     initial_state: Tensor | None = None,
     document_ids: Tensor | None = None,
     chunk_size: int = 64,
+    fla: ModuleType | None = None,
 ) -> tuple[Tensor, Tensor]:
     """q, k [b, s, h, dk] (already L2-normalised by the caller; key heads already repeated to the value heads),
     v [b, s, h, dv], g [b, s, h] log decay (<= 0), beta [b, s, h]; document_ids [b, s] (int, equal ids = same
@@ -52,9 +54,10 @@ def chunk_gated_delta_rule(
     from an earlier part of the sequence cuts it itself where that part's last id differs from this first one.
     It may be wider than v ([b, h, dk, dv'], dv' > dv): its extra columns evolve with zero values and
     `out` and the final state then have dv' columns. Started at the identity, they give how the outputs and the
-    final state depend on the incoming state (context parallel's state passing uses this)."""
-    if runs_fla_kernels(q.device):
-        return _fla_rule(_fla_ops().chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, document_ids)
+    final state depend on the incoming state (context parallel's state passing uses this). `fla`: fla's
+    gated delta rule ops module, to run its kernel instead (CUDA)."""
+    if fla is not None:
+        return _fla_rule(fla.chunk_gated_delta_rule, q, k, v, g, beta, scale, initial_state, document_ids)
     segments = None if document_ids is None else document_segments(document_ids)
     with torch.autocast(q.device.type, enabled=False):  # float32 also inside an autocast region
         out, state = chunked_scan(q, k, v, g, beta, scale=scale, state=_initial(q, v, initial_state),
@@ -72,10 +75,11 @@ def recurrent_gated_delta_rule(
     scale: float,
     initial_state: Tensor | None = None,
     document_ids: Tensor | None = None,
+    fla: ModuleType | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as `chunk_gated_delta_rule`, token by token (decoding, and the chunked form's reference)."""
-    if runs_fla_kernels(q.device):
-        return _fla_rule(_fla_ops().fused_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
+    if fla is not None:
+        return _fla_rule(fla.fused_recurrent_gated_delta_rule, q, k, v, g, beta, scale, initial_state,
                          document_ids)
     dtype = q.dtype
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
@@ -205,7 +209,15 @@ def causal_depthwise_conv(
 class GatedDeltaCore:
     """The single-process convolution and rule a GDN layer calls (`layer.core`); context parallel swaps in its own.
 
-    Holds no parameters and no state, so one shared instance (`LOCAL_CORE`) serves every layer."""
+    Holds no parameters and no state, so one shared instance (`LOCAL_CORE`, the plain-torch rule) serves every layer;
+    `configured` gives the one the run's kernel plan chose."""
+
+    def __init__(self, fla: ModuleType | None = None):
+        self.fla = fla
+
+    def configured(self, fla_ops: ModuleType | None = None, **_: object) -> GatedDeltaCore:
+        """This core with the kernel plan's choice: fla's ops module, or None for the plain-torch rule."""
+        return GatedDeltaCore(fla_ops)
 
     def conv(self, x: Tensor, weight: Tensor, document_ids: Tensor | None = None) -> Tensor:
         """`causal_depthwise_conv` of the whole sequence, with no history."""
@@ -214,7 +226,7 @@ class GatedDeltaCore:
     def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
              document_ids: Tensor | None = None) -> Tensor:
         """`chunk_gated_delta_rule`'s output from a zero state."""
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, document_ids=document_ids)[0]
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, document_ids=document_ids, fla=self.fla)[0]
 
 
 LOCAL_CORE = GatedDeltaCore()
@@ -225,21 +237,6 @@ def _initial(q: Tensor, v: Tensor, initial_state: Tensor | None) -> Tensor:
     if initial_state is None:
         return torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device)
     return initial_state.float()
-
-
-def runs_fla_kernels(device: torch.device) -> bool:
-    """Whether the rules run fla's kernels on `device` (CUDA with fla importable) rather than the plain-torch path."""
-    return device.type == "cuda" and _fla_ops() is not None
-
-
-@functools.cache
-def _fla_ops():
-    """fla's gated delta rule ops, or None where fla (or the Triton it needs) cannot be imported."""
-    try:
-        import fla.ops.gated_delta_rule as ops
-    except Exception:  # fla raises more than ImportError when Triton is missing or mismatched
-        return None
-    return ops
 
 
 def _fla_rule(op, q, k, v, g, beta, scale, initial_state, document_ids) -> tuple[Tensor, Tensor]:

@@ -85,33 +85,13 @@ class MoEArgs:
             raise UserError("moe shared_gate needs shared experts; set shared_hidden_dim > 0 or shared_gate = False")
 
 
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] = ()) -> bool:
-    """Whether torch._grouped_mm runs here: CPU in fp32/bf16, CUDA in bf16 on sm90 or newer, and rows of every
-    matrix size in `sizes` a multiple of 16 bytes long (its stride requirement)."""
-    if not grouped_mm_device_type_supported(device.type, dtype, sizes):
-        return False
-    return device.type != "cuda" or _cuda_capability(device.index) >= (9, 0)
-
-
-def grouped_mm_device_type_supported(device_type: str, dtype: torch.dtype, sizes: tuple[int, ...] = ()) -> bool:
-    """`grouped_mm_supported` for a kind of device, whatever GPU model it turns out to be (planning a run elsewhere)."""
-    if any(size * dtype.itemsize % 16 for size in sizes):
-        return False
-    if device_type == "cpu":
-        return dtype in (torch.float32, torch.bfloat16)
-    return device_type == "cuda" and dtype == torch.bfloat16
-
-
-@torch.compiler.assume_constant_result
-def _cuda_capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 class GroupedExperts(nn.Module):
     """Routed SwiGLU experts: w1, w3 [E, hidden, dim] and w2 [E, dim, hidden] (each expert's nn.Linear layout).
 
-    grouped_mm: "auto" (one torch._grouped_mm per matrix where the device, dtype and sizes allow it, else a loop
-    over experts), "on" (grouped, fail where unsupported) or "off" (the loop). Both give the same results.
+    grouped_mm: one torch._grouped_mm per matrix (True) or a loop over experts (False); both give the same
+    results. compute_dtype: what inputs and weights are cast to first (autocast does not cover grouped_mm), or None.
+    Both are plain values the run's kernel plan sets (meshloom/planning/kernels.py): the forward asks the device
+    nothing.
     """
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int):
@@ -119,19 +99,17 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-        self.grouped_mm = "auto"
+        self.grouped_mm = False
+        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim]: token copies sorted by expert, tokens_per_expert[e] of them for expert e (of this module's
         experts, in order). Returns [N, dim] in the same order."""
         w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         assert tokens_per_expert.shape == (w1.shape[0],), (tokens_per_expert.shape, w1.shape)
-        if torch.is_autocast_enabled(x.device.type):
-            # Autocast does not cover grouped_mm: cast like the dense matmuls of the block are.
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-        sizes = (w1.shape[1], w1.shape[2])
-        if self.grouped_mm == "on" or (self.grouped_mm == "auto" and grouped_mm_supported(x.device, x.dtype, sizes)):
+        if self.compute_dtype is not None:
+            x, w1, w2, w3 = (t.to(self.compute_dtype) for t in (x, w1, w2, w3))
+        if self.grouped_mm:
             return _grouped_swiglu(x, w1, w2, w3, tokens_per_expert)
         return _looped_swiglu(x, w1, w2, w3, tokens_per_expert)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from meshloom.models.common.grouped_mm import grouped_mm
 from meshloom.models.common.init import trunc_normal_
-from meshloom.models.common.moe import MoE, MoEArgs, grouped_mm_supported
+from meshloom.models.common.moe import MoE, MoEArgs
 from meshloom.models.common.router import Routing, TokenChoiceRouter, select_experts
 from meshloom.tensors import local_tensor
 
@@ -56,7 +56,8 @@ class ClampedSwiGLUExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.b2 = nn.Parameter(torch.empty(n_experts, dim))
         self.alpha, self.limit = alpha, limit
-        self.grouped_mm = "auto"
+        self.grouped_mm = False  # plain values the run's kernel plan sets, as GroupedExperts' are
+        self.compute_dtype: torch.dtype | None = None
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[..., 0::2].clamp(max=self.limit)
@@ -65,12 +66,9 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w13, b13, w2, b2 = (local_tensor(p) for p in (self.w13, self.b13, self.w2, self.b2))
-        if torch.is_autocast_enabled(x.device.type):
-            # Autocast does not cover grouped_mm: cast like the dense matmuls of the block are.
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w13, b13, w2, b2 = (t.to(dtype) for t in (x, w13, b13, w2, b2))
-        sizes = (w13.shape[1], w13.shape[2], w2.shape[2])
-        if self.grouped_mm == "on" or (self.grouped_mm == "auto" and grouped_mm_supported(x.device, x.dtype, sizes)):
+        if self.compute_dtype is not None:
+            x, w13, b13, w2, b2 = (t.to(self.compute_dtype) for t in (x, w13, b13, w2, b2))
+        if self.grouped_mm:
             offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
             # Each row's expert, to add that expert's biases.
             experts = torch.arange(w13.shape[0], device=x.device)

@@ -21,6 +21,7 @@ SPEC = ModelSpec(
     or ".moe.shared_gate." in name or name.endswith(("_conv", ".A_log", ".dt_bias")),
     qk_clip_refusal="three of every four blocks are Gated DeltaNet, which has no attention logits to clip, and the "
     "full-attention blocks RMS-normalise each head's q and k after the projections, which undoes a per-head rescale",
+    mixers=lambda args: ["gated_delta" if args.is_linear_layer(i) else "sdpa" for i in range(args.n_layers)],
 )
 
 __all__ = ["QWEN3_NEXT_FLAVORS", "SPEC", "Qwen3Next", "Qwen3NextArgs"]
