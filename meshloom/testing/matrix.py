@@ -196,6 +196,9 @@ def ft_args(name: str, replica_id: int, lighthouse: str) -> list[str]:
     args += ["--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_seconds", "30"]
     if name != "replica_groups":
         args += ["--fault_tolerance.semi_sync", name, "--fault_tolerance.sync_every", str(SYNC_EVERY)]
+        # Semi-synchronous groups meet only at the syncs, without the first quorum's wait for every group: a group
+        # slower to start (or to resume) would leave the other to sync alone. Every sync of the cell has both.
+        args += ["--fault_tolerance.min_replicas", str(GROUPS)]
     return args
 
 

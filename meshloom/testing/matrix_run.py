@@ -189,7 +189,9 @@ def _run_groups(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> list
         run_dir = workdir / cell_id(cell)
         phases = len(_phases(cell, run_dir, []))
         # One Lighthouse per phase: a stopped group's replica id must not meet its own ghost in the next quorum.
-        homes = [LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5000) for _ in range(phases)]
+        # Every quorum of the cell has both groups: a group that starts (or resumes) late under load would otherwise
+        # find the other's sync of DiLoCo or LocalSGD already held without it.
+        homes = [LighthouseServer(bind="[::]:0", min_replicas=GROUPS, join_timeout_ms=60_000, heartbeat_timeout_ms=5000) for _ in range(phases)]
         lighthouses += homes
         for group in range(GROUPS):
             for phase, case in enumerate(_phases(cell, run_dir, data_args(cell["data"], paths))):
