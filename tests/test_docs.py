@@ -1,9 +1,12 @@
-"""The README's Layout section and docs/architecture.md name only paths that exist."""
+"""README.md and every page under docs/ name only paths that exist; docs/layout.md's tree is the repository's; the
+README is a front page that links every page."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TOP_DIRS = ("meshloom/", "configs/", "scripts/", "benchmarks/", "tests/", "docs/")
@@ -11,7 +14,7 @@ TOP_DIRS = ("meshloom/", "configs/", "scripts/", "benchmarks/", "tests/", "docs/
 
 def _exists(token: str) -> bool:
     """A path relative to the repository or the package, or a file name found somewhere in the package."""
-    token = token.rstrip("/")
+    token = token.rstrip("/").split("::", 1)[0]  # a test's node id names its file
     if (REPO / token).exists() or (REPO / "meshloom" / token).exists():
         return True
     return "/" not in token and any((REPO / "meshloom").rglob(token))
@@ -31,16 +34,32 @@ def test_architecture_doc_paths_exist():
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
 
 
-def test_readme_paths_exist():
-    text = (REPO / "README.md").read_text()
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", [p.relative_to(REPO).as_posix() for p in PAGES])
+def test_page_paths_exist(page: str):
+    text = (REPO / page).read_text()
     named = [t for t in _code_paths(text) if t.startswith(TOP_DIRS)]
     missing = [t for t in named if not _exists(t)]
-    assert not missing, f"README.md names paths that do not exist: {missing}"
+    assert not missing, f"{page} names paths that do not exist: {missing}"
+    links = re.findall(r"\]\(([^)#\s]+)", text)
+    broken = [link for link in links if not link.startswith("http") and not ((REPO / page).parent / link).exists()]
+    assert not broken, f"{page} links pages that do not exist: {broken}"
 
 
-def test_readme_layout_section_matches_the_tree():
+def test_readme_is_a_front_page_linking_every_page():
     text = (REPO / "README.md").read_text()
-    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    assert len(text.splitlines()) <= 150, "README.md is the front page: move a topic to its own page under docs/"
+    assert text.splitlines()[2].startswith("PyTorch-native pretraining for five model families")
+    assert "make train" in text and "make test" in text
+    unlinked = [p.name for p in (REPO / "docs").glob("*.md") if f"(docs/{p.name})" not in text]
+    assert not unlinked, f"README.md does not link {unlinked}"
+
+
+def test_layout_page_matches_the_tree():
+    text = (REPO / "docs" / "layout.md").read_text()
+    block = text.split("```", 2)[1]
     missing, folder = [], None
     for line in block.splitlines():
         words = re.findall(r"[\w./]+", line)
@@ -56,5 +75,5 @@ def test_readme_layout_section_matches_the_tree():
                     missing.append(word)
             elif word.endswith(".py") and folder is not None and not any(folder.rglob(word.split("/")[-1])):
                 missing.append(f"{folder.relative_to(REPO)}/{word}")
-    assert not missing, f"README's Layout section names what does not exist: {missing}"
+    assert not missing, f"docs/layout.md names what does not exist: {missing}"
     assert len(block.splitlines()) > 8

@@ -11,8 +11,8 @@
   end with the same weights bit for bit (their inner optimizer moments differ: each steps on its own gradients), and
   the held-out loss after 30 steps is within 10% of HSDP's;
 - MoE bias balancing and QK-clip together (DeepSeek-V3 `tiny`, Muon, 6 steps): the balancing counts and the heads'
-  largest logits are reduced over the quorum, so 2 groups x FSDP 2 match HSDP 2 x 2 within 1e-5 with the same heads
-  clipped at every step and end with equal weights and expert biases; a flipped bit of an expert bias is found;
+  largest logits are reduced over the quorum, so 2 groups x FSDP 2 match HSDP 2 x 2 within 1e-5 with as many heads
+  clipped at every step as HSDP (metrics.jsonl records the count, not which heads) and end with equal weights and expert biases; a flipped bit of an expert bias is found;
 - groups started with different layouts (FSDP 2 and TP 2) both stop at their first quorum with one line naming the
   setting;
 - bad input: torchft missing, a Lighthouse that does not answer, a layout the groups cannot manage.

@@ -14,7 +14,16 @@ from __future__ import annotations
 import itertools
 
 from meshloom.testing import matrix
+from meshloom.testing.compatibility_proofs import (
+    CONTAINS,
+    LAYOUT_PROOFS,
+    LAYOUT_TEST_STEPS,
+    MATRIX_TEST,
+    NON_AXIS_PROOFS,
+)
+from meshloom.testing.layout_parity import FP32_TOLERANCE
 from meshloom.testing.matrix_cells import CELLS
+from meshloom.testing.matrix_checks import cell_check
 
 # The table's rows and columns: every value but the ones that turn nothing on, with its heading.
 TITLES = {
@@ -27,33 +36,6 @@ TITLES = {
     "kill_restart": "kill+restart", "resume_other_layout": "resume elsewhere", "chunked_loss": "chunked loss",
 }  # fmt: skip
 
-MATRIX_TEST = "tests/test_matrix.py::test_cell_matches_its_reference"
-LAYOUT_TEST = "tests/test_parity.py::test_layout_matches_one_process"
-CP_TEST = "tests/test_context_parallel_parity.py::test_context_parallel_layout_matches_one_process"
-PP_TEST = "tests/test_pipeline.py::test_every_schedule_and_3d_layout_matches_one_process"
-EP_TEST = "tests/test_expert_parallel.py::test_expert_parallel_layouts_match_one_process"
-
-# Two layouts of the matrix combined: (test, the case in it). A layout that contains the other is marked so.
-CONTAINS = {("fsdp", "hsdp"), ("fsdp", "ep"), ("fsdp", "fsdp_tp"), ("tp", "fsdp_tp")}
-LAYOUT_PROOFS: dict[tuple[str, str], tuple[str, str]] = {
-    ("hsdp", "tp"): (LAYOUT_TEST, "dp_replicate=2,dp_shard=2,tp=2"),
-    ("hsdp", "fsdp_tp"): (LAYOUT_TEST, "dp_replicate=2,dp_shard=2,tp=2"),
-    ("fsdp", "tp"): (LAYOUT_TEST, "dp_shard=2,tp=2"),
-    ("fsdp", "pp"): (PP_TEST, "pp=2,dp_shard=2"),
-    ("hsdp", "pp"): (PP_TEST, "pp=2,dp_replicate=2"),
-    ("tp", "pp"): (PP_TEST, "pp=2,tp=2"),
-    ("pp", "fsdp_tp"): (PP_TEST, "pp=2,dp_shard=2,tp=2,pipeline.microbatches=2"),
-    ("fsdp", "cp"): (CP_TEST, "dp_shard=2,cp=2"),
-    ("hsdp", "cp"): (CP_TEST, "dp_replicate=2,cp=2"),
-    ("tp", "cp"): (CP_TEST, "tp=2,cp=2"),
-    ("pp", "cp"): (CP_TEST, "pp=2,cp=2"),
-    ("cp", "fsdp_tp"): (CP_TEST, "dp_shard=2,tp=2,cp=2"),
-    ("hsdp", "ep"): (EP_TEST, "hsdp_ep2_compile_sac"),
-    ("tp", "ep"): (EP_TEST, "tp2_ep2_compile_sac"),
-    ("pp", "ep"): (EP_TEST, "pp2_ep2_compile_sac"),
-    ("cp", "ep"): (EP_TEST, "cp2_ep2"),
-    ("ep", "fsdp_tp"): (EP_TEST, "tp2_ep2_compile_sac"),
-}
 
 
 def _axis(name: str) -> str:
@@ -71,7 +53,8 @@ def statuses() -> dict[tuple[str, str], str]:
     ("R", line); a pair with none of these maps to "unproven"."""
     refused = {_key(*pair): line for pair, line in matrix.refused_pairs().items()}
     cells: dict[tuple[str, str], str] = {}
-    for cell in CELLS:
+    # The strongest cell of each pair: the smallest tolerance, then the strongest kind of reference, then the first.
+    for cell in sorted(CELLS, key=lambda c: cell_check(dict(c)).strength):
         for pair in matrix.pairs_of(dict(cell)):
             if all(name in TITLES for name in pair):
                 cells.setdefault(_key(*pair), matrix.cell_id(cell))
@@ -106,9 +89,11 @@ def render() -> str:
             kind = status[0]
             codes[status] = f"{kind}{len(notes[kind]) + 1}"
             if kind == "M":
-                notes["M"].append(f"`{MATRIX_TEST}[{status[1]}]`")
+                check = cell_check(dict(zip(matrix.AXES, status[1].split("-"))))
+                notes["M"].append(f"`{MATRIX_TEST}[{status[1]}]`: {check.describe()}")
             elif kind == "P":
-                notes["P"].append(f"`{status[1]}` ({status[2]})")
+                steps = LAYOUT_TEST_STEPS[status[1]]
+                notes["P"].append(f"`{status[1]}` ({status[2]}): {steps} steps, every loss within {FP32_TOLERANCE:g} of one process")
             else:
                 notes["R"].append(status[1])
         return codes[status]
@@ -122,10 +107,12 @@ def render() -> str:
         "(`meshloom/testing/matrix.py`); `tests/test_compatibility.py` fails when this page and the code disagree.",
         "",
         "Each cell is a pair of features. **M**: proven by that cell of the pairwise matrix, which trains both",
-        "together (with the other axes' values the cell names) and matches its reference (one process within 1e-5",
-        "in fp32; see tests/test_matrix.py). **P**: proven by a layout parity test. **R**: refused by the",
-        "declaration with the one line below, before anything is built. —: one value per run. ⊂: one layout holds",
-        "the other. A pair with none of these would read **?**; the test refuses such a page.",
+        "together (with the other axes' values the cell names) and matches its reference; each note below states",
+        "the cell's steps, tolerance and reference as tests/test_matrix.py asserts them, for the strongest cell",
+        "holding the pair (smallest tolerance, then strongest reference). **P**: proven by a layout parity test.",
+        "**R**: refused by the declaration with the one line below, before anything is built. —: one value per",
+        "run. ⊂: one layout holds the other. A pair with none of these would read **?**; the test refuses such a",
+        "page. Declared features that are no axis of the matrix follow the table, each with its proof.",
         "",
         "| | " + " | ".join(TITLES[n] for n in names) + " |",
         "|---" * (len(names) + 1) + "|",
@@ -143,6 +130,12 @@ def render() -> str:
     lines += [f"- M{i}: {note}" for i, note in enumerate(notes["M"], 1)]
     lines += ["", "## Proven by a layout parity test", ""]
     lines += [f"- P{i}: {note}" for i, note in enumerate(notes["P"], 1)]
+    lines += ["", "## Declared features outside the matrix's axes", ""]
+    from meshloom.planning.features import FEATURES
+
+    for name, proofs in NON_AXIS_PROOFS.items():
+        setting = FEATURES[name].setting.replace("{model}", "model.name")
+        lines += [f"- {FEATURES[name].title} (`{setting}`): " + "; ".join(f"`{t}`: {what}" for t, what in proofs)]
     lines += ["", "## Refused", ""]
     lines += [f"- R{i}: refused: {note}" for i, note in enumerate(notes["R"], 1)]
     lines += ["", *_declaration_lines()]

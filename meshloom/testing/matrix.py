@@ -6,10 +6,9 @@ matches its reference, or the declaration (meshloom/planning/features.py) refuse
 that line. A pair of values that the declaration refuses (witnessed by a cell of that pair alone) is covered by its
 refusal; every other pair must appear in a cell that trains.
 
-References: one process for the synchronous layouts (fp32: 1e-5); HSDP over the groups for replica groups; and a
-kill or a resume under another layout is compared with the same run without it (which is one process's, within
-1e-5). Every cell runs the parity harness's tiny fp32 run (meshloom.testing.layout_parity.base_overrides) for
-`STEPS` steps.
+What each cell must match (its reference, tolerance and steps, and whether its kill is a real SIGKILL) is stated in
+matrix_checks.py, which the test asserts and docs/compatibility.md prints. Every cell runs the parity harness's tiny
+run (meshloom.testing.layout_parity.base_overrides) for `STEPS` steps.
 
 `python -m meshloom.testing.matrix` prints a freshly generated cell list for matrix_cells.py.
 """
@@ -199,6 +198,9 @@ def ft_args(name: str, replica_id: int, lighthouse: str) -> list[str]:
     args += ["--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_seconds", "30"]
     if name != "replica_groups":
         args += ["--fault_tolerance.semi_sync", name, "--fault_tolerance.sync_every", str(SYNC_EVERY)]
+        # Semi-synchronous groups meet only at the syncs, without the first quorum's wait for every group: a group
+        # slower to start (or to resume) would leave the other to sync alone. Every sync of the cell has both.
+        args += ["--fault_tolerance.min_replicas", str(GROUPS)]
     return args
 
 

@@ -10,13 +10,19 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshloom.testing import matrix
 from meshloom.testing.layout_parity import ParityCase
 from meshloom.testing.matrix import GROUPS, OTHER_LAYOUT, STEPS, STOP_AFTER, Cell, cell_id, cell_spec, data_args, ft_args
-from meshloom.testing.resume_parity import Case, CaseResult, launch
+from meshloom.testing.matrix_checks import KILLED, cell_check
+from meshloom.testing.resume_parity import Case, CaseResult, launch, launch_killed
+from meshloom.testing.semi_sync_reference import EmulatedCase, EmulatedResult
+from meshloom.testing.semi_sync_reference import launch as launch_emulated
+
+SEMI_SYNC = ("diloco", "local_sgd")
 
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STOP_AFTER)]
 RESUME = [*SAVE, "--checkpoint.resume", "true"]
@@ -33,9 +39,11 @@ class Outcome:
     reference: list[float]
     model_digests: list[dict[str, str]] = field(default_factory=list)
     tolerance: float = 0.0
+    # DiLoCo and LocalSGD: per group, the losses of the same groups emulated in one process (semi_sync_reference).
+    group_references: list[list[float]] = field(default_factory=list)
 
 
-def _reference_spec(cell: Cell) -> str:
+def reference_spec(cell: Cell) -> str:
     """The cell's settings on one process, reading the whole global batch, eager and without activation
     checkpointing (neither changes what is computed, so the cell is held to the plainest run).
 
@@ -49,6 +57,16 @@ def _reference_spec(cell: Cell) -> str:
     return cell_spec(plain, matrix.value("layout", "1proc"))
 
 
+def _emulated(cell: Cell, workdir: Path, paths: dict[str, str]) -> EmulatedCase:
+    """A DiLoCo or LocalSGD cell's groups in one process: one process per group, eager, without activation
+    checkpointing, straight through (a kill or a relayout must not change what the groups compute)."""
+    plain = {**cell, "ac": "ac_none", "compile": "eager"}
+    spec = cell_spec(plain, matrix.value("layout", "1proc"))
+    group_args = [ft_args(cell["ft"], g, "http://127.0.0.1:1") for g in range(GROUPS)]
+    name = f"emulated:{cell_id(cell)}"
+    return EmulatedCase(name, str(workdir / name.replace(":", "_")), spec, STEPS, GROUPS, group_args, data_args(cell["data"], paths))
+
+
 def _phases(cell: Cell, run_dir: Path, extra: list[str]) -> list[Case]:
     """The cases of one training (one group's): straight, or a stop at STOP_AFTER and the resume."""
     name, spec = cell_id(cell), cell_spec(cell)
@@ -56,7 +74,7 @@ def _phases(cell: Cell, run_dir: Path, extra: list[str]) -> list[Case]:
         return [Case(name, str(run_dir), spec, STEPS, None, extra)]
     after = spec if cell["resume"] == "kill_restart" else cell_spec(cell, OTHER_LAYOUT[cell["layout"]])
     return [
-        Case(f"{name}:stop", str(run_dir), spec, STEPS, STOP_AFTER, [*extra, *SAVE]),
+        Case(f"{name}:stop", str(run_dir), spec, STEPS, STOP_AFTER, [*extra, *SAVE], kill=name in KILLED),
         Case(f"{name}:resume", str(run_dir), after, STEPS, None, [*extra, *RESUME]),
     ]
 
@@ -75,24 +93,40 @@ def run_cells(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> dict[s
     references: dict[str, Case] = {}
     cases: list[Case] = []
     for cell in cells:
-        spec = _reference_spec(cell)
+        spec = reference_spec(cell)
         key = f"{spec}|{cell['data']}"
         if key not in references:
             references[key] = Case(f"ref{len(references)}", str(workdir / f"ref{len(references)}"), spec, STEPS, None, data_args(cell["data"], paths))
     for cell in sync:
         cases += _phases(cell, workdir / cell_id(cell), data_args(cell["data"], paths))
-    results = _launch_on_both_cores(list(references.values()) + cases, workdir)
-    group_results = _run_groups(groups, workdir, paths)
+    # A killed stop ends its launch: each runs alone, before the launches that hold its restart.
+    killed = [case for case in cases if case.kill]
+    halves = [(killed[i::2], _sharing_the_cache(workdir / f"killed{i}", workdir)) for i in range(2)]
+    results = {k: v for part in _side_by_side(halves, _launch_each_killed) for k, v in part.items()}
+    results.update(_launch_on_both_cores(list(references.values()) + [c for c in cases if not c.kill], workdir))
+    emulated_cases = [_emulated(c, workdir, paths) for c in groups if c["ft"] in SEMI_SYNC]
+    emulated: dict[str, EmulatedResult] = {}
+    emulation = threading.Thread(target=lambda: emulated.update(launch_emulated(emulated_cases, _sharing_the_cache(workdir / "emulated", workdir))))
+    emulation.start()
+    try:
+        group_results = _run_groups(groups, workdir, paths)
+    finally:
+        emulation.join()
+    if len(emulated) != len(emulated_cases):
+        raise RuntimeError("the emulation of the semi-synchronous cells failed (see the output above)")
     outcomes = {}
     for cell in cells:
-        reference = results[references[f"{_reference_spec(cell)}|{cell['data']}"].name].losses
-        tolerance = ParityCase.parse(cell_spec(cell)).tolerance
+        reference = results[references[f"{reference_spec(cell)}|{cell['data']}"].name].losses
+        tolerance = cell_check(cell).tolerance
         if cell["ft"] == "ft_off":
             losses, digests = _joined(results, _phases(cell, workdir, []))
             outcomes[cell_id(cell)] = Outcome([losses], reference, [digests], tolerance)
         else:
             per_group = [_joined(group_results[g], _phases(cell, workdir, [])) for g in range(GROUPS)]
-            outcomes[cell_id(cell)] = Outcome([p[0] for p in per_group], reference, [p[1] for p in per_group], tolerance)
+            outcome = Outcome([p[0] for p in per_group], reference, [p[1] for p in per_group], tolerance)
+            if cell["ft"] in SEMI_SYNC:
+                outcome.group_references = emulated[f"emulated:{cell_id(cell)}"].losses
+            outcomes[cell_id(cell)] = outcome
     return outcomes
 
 
@@ -118,8 +152,14 @@ def _launch_on_both_cores(cases: list[Case], workdir: Path) -> dict[str, CaseRes
     return {**beside_results, **main_results}
 
 
-def _side_by_side(launches: list[tuple[list[Case], Path]]) -> list[dict[str, CaseResult]]:
-    """resume_parity.launch of every (cases, work folder) at once, a thread each; the first failure is raised."""
+def _launch_each_killed(cases: list[Case], home: Path) -> dict[str, CaseResult]:
+    return {case.name: launch_killed(case, home) for case in cases}
+
+
+def _side_by_side(
+    launches: list[tuple[list[Case], Path]], launch: Callable[[list[Case], Path], dict[str, CaseResult]] = launch
+) -> list[dict[str, CaseResult]]:
+    """`launch` (resume_parity's) of every (cases, work folder) at once, a thread each; the first failure is raised."""
     results: list[dict[str, CaseResult]] = [{} for _ in launches]
     errors: list[BaseException] = []
 
@@ -149,7 +189,9 @@ def _run_groups(cells: list[Cell], workdir: Path, paths: dict[str, str]) -> list
         run_dir = workdir / cell_id(cell)
         phases = len(_phases(cell, run_dir, []))
         # One Lighthouse per phase: a stopped group's replica id must not meet its own ghost in the next quorum.
-        homes = [LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5000) for _ in range(phases)]
+        # Every quorum of the cell has both groups: a group that starts (or resumes) late under load would otherwise
+        # find the other's sync of DiLoCo or LocalSGD already held without it.
+        homes = [LighthouseServer(bind="[::]:0", min_replicas=GROUPS, join_timeout_ms=60_000, heartbeat_timeout_ms=5000) for _ in range(phases)]
         lighthouses += homes
         for group in range(GROUPS):
             for phase, case in enumerate(_phases(cell, run_dir, data_args(cell["data"], paths))):

@@ -29,6 +29,9 @@ class Case:
     steps: int = 10
     stop_after: int | None = None
     overrides: list[str] = field(default_factory=list)
+    # At stop_after, every rank is killed with SIGKILL once the checkpoint is committed (launch_killed), instead of
+    # leaving its training loop.
+    kill: bool = False
 
     @property
     def world_size(self) -> int:
@@ -123,6 +126,8 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
         save()
         if trainer.step == case.stop_after:
             trainer.checkpointer.wait()
+            if case.kill:
+                _killed_now(Path(case.run_dir), losses, grad_norms)
             raise _Stop
 
     trainer.checkpointer.maybe_save = save_then_maybe_stop
@@ -138,6 +143,44 @@ def run_case(case: Case, workdir: Path) -> CaseResult:
         everyone = [consumed]
     per_step = [sorted(set().union(*(rank_ids[i] for rank_ids in everyone))) for i in range(len(consumed))]
     return CaseResult(losses, per_step, state_digest(trainer), grad_norms, aux, clipped, near)
+
+
+KILLED_RESULT = "killed_case.json"
+
+
+def _killed_now(run_dir: Path, losses: list[float], grad_norms: list[float]) -> None:
+    """Every rank SIGKILLs itself once all have passed the save, as a lost node would end the job; rank 0 first
+    leaves the losses it trained in the run folder (nothing else of the process survives)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from meshloom.parallel.distributed import rank
+
+    if rank() == 0:
+        (run_dir / KILLED_RESULT).write_text(json.dumps({"losses": losses, "sample_ids": [], "grad_norms": grad_norms}))
+    if dist.is_initialized():
+        dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def launch_killed(case: Case, workdir: Path) -> CaseResult:
+    """Run a case with `kill` on its own launch, which must end with its ranks killed by SIGKILL; its losses up to
+    the kill, read from the run folder."""
+    from meshloom.testing.ranks import RanksFailed
+
+    assert case.kill and case.stop_after is not None, case
+    cases_file = workdir / f"killed_{case.run_dir.replace('/', '_')}.json"
+    cases_file.write_text(json.dumps([asdict(case)]))
+    try:
+        run_ranks(worker, case.world_size, cases_file, workdir / "killed_results.json", workdir)
+    except RanksFailed as err:
+        if "SIGKILL" not in str(err).splitlines()[0]:
+            raise
+    else:
+        raise AssertionError(f"{case.name} was to be killed at step {case.stop_after} and ended normally")
+    return CaseResult(**json.loads((Path(case.run_dir) / KILLED_RESULT).read_text()))
 
 
 def launch(cases: list[Case], workdir: Path) -> dict[str, CaseResult]:
