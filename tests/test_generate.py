@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from meshloom.config.errors import UserError
 import torch
 from hf_fixtures import llama_config, save_random_llama
 
@@ -111,8 +113,9 @@ def test_prompt_longer_than_the_context_is_refused(hf_model, capsys) -> None:
     (folder / "tokenizer.json").unlink(missing_ok=True)
     assert generate_main([str(folder), "--prompt", "x", "--tokenizer", str(_tokenizer_file(folder.parent)), "--max-new-tokens", "300"]) == 2
     assert "more than the model's context (max_seq_len = 256)" in capsys.readouterr().err
-    assert generate_main([str(folder), "--prompt", "x", "--top-p", "0"]) == 2
-    assert "--top-p must be in (0, 1]" in capsys.readouterr().err
+    # Ranges are checked as the options parse (meshloom/cli/numbers.py), in one line.
+    with pytest.raises(UserError, match=r"^--top-p must lie in \(0, 1\] \(1 = no nucleus cut\), got 0.0$"):
+        generate_main([str(folder), "--prompt", "x", "--top-p", "0"])
 
 
 def _tokenizer_file(where: Path) -> Path:

@@ -109,8 +109,8 @@ def test_steps_are_refused_in_parity_s_own_words(tmp_path, capsys) -> None:
 
     work = tmp_path / "work"
     cases = [
-        (["--steps", "0"], "parity: --steps must be >= 1 (the steps every run trains), got 0"),
-        (["--steps", "-3"], "parity: --steps must be >= 1"),
+        (["--steps", "0"], "--steps must be positive, got 0"),
+        (["--steps", "-3"], "--steps must be positive, got -3"),
         (["--common", "training.steps=3"], "parity: --common 'training.steps=3' sets training.steps; every run trains --steps steps, so pass --steps instead"),
         (["--layout", "tp=2,training.steps=0"], "parity: --layout 'tp=2,training.steps=0' sets training.steps"),
     ]  # fmt: skip

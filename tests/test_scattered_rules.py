@@ -32,6 +32,8 @@ ARITHMETIC = {
 }
 # What the files on disk hold, known when they are read: checkpoints, corpora, shards, tokenizers, run folders.
 FILES = {
+    # A resume against the checkpoint on disk: the refusal names the resume, the checkpoint and the way to start anew.
+    ("meshloom/checkpoint/resume_settings.py", ("checkpoint.initial_load_path", "checkpoint.resume", "job.dump_folder")),
     ("meshloom/checkpoint/dcp.py", ("checkpoint.folder", "checkpoint.resume", "job.dump_folder")),
     ("meshloom/checkpoint/dcp.py", ("checkpoint.resume", "job.dump_folder")),
     ("meshloom/checkpoint/dcp.py", ("checkpoint.initial_load_path", "checkpoint.resume", "job.dump_folder", "optimizer.name")),

@@ -198,9 +198,13 @@ def layout_settings(layout: Layout) -> dict[str, dict[str, object]]:
         },
         "optimizer": {"name": layout.optimizer},
         "activation_checkpoint": {"mode": layout.ac},
-        "float8": {"enable": layout.float8, "recipe": layout.float8_recipe,
-                   "fsdp_float8_all_gather": layout.float8_all_gather},
+        "float8": {"enable": layout.float8},
     }
+    # Only the Float8 settings that act on this layout (a setting that cannot act is refused, setting_scopes.py).
+    if layout.float8:
+        settings["float8"]["recipe"] = layout.float8_recipe
+        if layout.float8_recipe == "tensorwise" and (layout.dp_shard * layout.cp > 1 or layout.dp_replicate > 1):
+            settings["float8"]["fsdp_float8_all_gather"] = layout.float8_all_gather
     if layout.ac == "selective_layer":
         settings["activation_checkpoint"]["every_k_layers"] = layout.every_k_layers
     if layout.loss_chunk_tokens:
