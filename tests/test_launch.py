@@ -235,13 +235,13 @@ def test_runs_volume_holds_the_run_folder_and_an_empty_recipe_is_refused(tmp_pat
         ([*k8s, "--job.dump_folder", "/runs/../tmp/run"], "job.dump_folder /runs/../tmp/run is outside /runs"),
         ([*k8s, "--job.dump_folder", "/runs"], "job.dump_folder /runs is outside /runs"),
         ([*k8s, "--config", str(outside)], "job.dump_folder runs/llama is outside /runs"),  # the recipe's own, relative
-        ([*k8s, "--job.dump_folder", "/runs/a", "--checkpoint.folder", "/scratch/ckpt"], "checkpoint.folder /scratch/ckpt is outside /runs"),
+        ([*k8s, "--job.dump_folder", "/runs/a", "--checkpoint.enable", "true", "--checkpoint.folder", "/scratch/ckpt"], "checkpoint.folder /scratch/ckpt is outside /runs"),
     ]  # fmt: skip
     for argv, fragment in cases:
         assert launch(argv) == 2, argv
         one_line_error(2, capsys.readouterr().err, fragment)
         assert not out.exists()
-    assert launch([*k8s, "--job.dump_folder", "/runs/a", "--checkpoint.folder", "ckpt"]) == 0
+    assert launch([*k8s, "--job.dump_folder", "/runs/a", "--checkpoint.enable", "true", "--checkpoint.folder", "ckpt"]) == 0
     assert "--job.dump_folder /runs/a" in shlex.join(yaml.safe_load(out.read_text())["spec"]["trainer"]["command"])
     assert launch([*k8s, "--overwrite", "--name", "llama"]) == 0
     assert shlex.join(yaml.safe_load(out.read_text())["spec"]["trainer"]["command"]).endswith("--job.dump_folder /runs/llama")

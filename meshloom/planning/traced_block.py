@@ -86,8 +86,10 @@ def _one_block_stage(args, layer: int, kind: str, ac: str, float8: str | None) -
         model = spec.model_cls(_up_to(args, layer))
     carve_stage(model, spec.parallel, [layer], first=False, last=False)
     # The routed experts as a GPU run plans them (meshloom/planning/kernels.py): one grouped matmul per weight, which
-    # traces on fake tensors (the per-expert loop splits by data-dependent counts), cast to bf16 under autocast.
-    apply_kernel_plan(model, spec.parallel, KernelPlan(grouped_mm=True, expert_dtype=torch.bfloat16 if kind == "autocast" else None))
+    # traces on fake tensors (the per-expert loop splits by data-dependent counts), cast to bf16 under autocast; the
+    # eager FlexAttention operator, which runs a backward on CPU where the trace is made.
+    plan = KernelPlan(grouped_mm=True, expert_dtype=torch.bfloat16 if kind == "autocast" else None, flex_eager_operator=True)
+    apply_kernel_plan(model, spec.parallel, plan)
     if float8 is not None:
         convert_to_float8(model, Float8Config(enable=True, recipe=float8), fsdp=False, tp=1)
     if kind == "bf16":
