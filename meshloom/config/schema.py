@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from meshloom.config.fault_tolerance import FaultToleranceConfig
+from meshloom.config.kernels import KernelsConfig
 from meshloom.config.loss import LossConfig
 from meshloom.config.operations import (CheckpointConfig, CommConfig, FaultInjectionConfig, MetricsConfig,
                                        ProfilingConfig, ValidationConfig)
@@ -364,16 +365,6 @@ class MoEConfig:
     grouped_mm: Literal["auto", "on", "off"] = "auto"
     """Routed experts: on = one torch._grouped_mm per weight, off = a loop over experts, auto = grouped where the
     device and dtype allow it (CPU fp32/bf16, CUDA bf16 on sm90+)."""
-
-
-@dataclass
-class KernelsConfig:
-    """Optional kernels a run may force (meshloom/planning/kernels.py declares what each needs). The routed experts'
-    grouped matmul is `moe.grouped_mm`."""
-
-    gated_delta: Literal["auto", "fla", "torch"] = "auto"
-    """Gated DeltaNet's rule: fla = flash-linear-attention's Triton kernels (CUDA; on Hopper, training needs
-    Triton >= 3.7.1), torch = meshloom's plain-torch chunked rule, auto = fla where it can run, else torch."""
 
 
 @dataclass
