@@ -19,19 +19,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from meshloom.config.errors import ConfigError
 from meshloom.config.schema import ActivationCheckpointConfig, CompileConfig
-
-
-def check_compile_config(config: CompileConfig, device_type: str) -> None:
-    """compile.async_tp against the device, before anything is built; `device_type` is the run's ("cuda" or "cpu").
-    That it needs compile and tensor parallel is declared in meshloom/planning/features.py."""
-    if not config.async_tp:
-        return
-    from meshloom.planning.kernels import DeviceFacts, async_tp_blocker  # noqa: PLC0415 (planning imports this module)
-
-    if (why := async_tp_blocker(DeviceFacts(device_type))) is not None:
-        raise ConfigError(f"compile.async_tp cannot run here: {why}; set compile.async_tp = false")
 
 
 def set_cache_dir(config: CompileConfig) -> None:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
-from meshloom.parallel.compile import check_compile_config
 from meshloom.parallel.float8 import check_float8_config, float8_targets
-from meshloom.planning.kernels import DeviceFacts, KernelPlan, check_float8_device, plan_kernels
+from meshloom.planning.kernels import DeviceFacts, KernelPlan, async_tp_blocker, check_float8_device, plan_kernels
 
 if TYPE_CHECKING:
     from meshloom.planning.run_plan import RunPlan
@@ -33,7 +33,8 @@ def check_device_settings(plan: RunPlan, device: torch.device | None) -> KernelP
     (forced choices that cannot run here are refused). The device's facts are read here, once."""
     config, device_type = plan.config, planned_device_type(plan.config, device)
     facts = DeviceFacts.probe(device_type, device)
-    check_compile_config(config.compile, device_type)
+    if config.compile.async_tp and (why := async_tp_blocker(facts)) is not None:
+        raise ConfigError(f"compile.async_tp cannot run here: {why}; set compile.async_tp = false")
     if config.float8.enable:
         check_float8_device(facts)
         with torch.device("meta"):  # shapes only: nothing is allocated
