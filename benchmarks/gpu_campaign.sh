@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU campaign: `pytest -m cuda`, then every family's GPU mode with its measured memory beside the dry run's
 # estimate (benchmarks/gpu_throughput.py), and a hand-written plain-PyTorch step of the same 3B model, eager and
-# compiled, as the floor for the framework's overhead. Bounded for one H200 at about 8.5 minutes, compilation
+# compiled, as the floor for the framework's overhead. Bounded for one H200 at about 9 minutes, compilation
 # included: the tests are cut off after PYTEST_TIMEOUT seconds, each mode after MODE_TIMEOUT, and no mode starts after
 # BUDGET seconds of modes (the rest are reported as skipped, most important first). The first campaign's times per mode
 # are in benchmarks/RESULTS.md. It installs nothing and reaches no network: it runs with
@@ -11,7 +11,8 @@
 #   DEVICE=cpu benchmarks/gpu_campaign.sh --flavor tiny ...     # the CPU smoke (tests/test_benchmarks.py)
 #
 # Writes at most 8 files to $OUT: environment.txt, pytest_cuda.txt, campaign.md (the table), campaign.json,
-# campaign_stdout.txt, modes.log (every mode's output) and dry_runs.txt (every mode's dry run).
+# campaign_stdout.txt, modes.log (every mode's output), dry_runs.txt (every mode's dry run) and, on a GPU,
+# chunked_loss_cuda.txt (benchmarks/chunked_loss.py at the 3B model's dim and tokens, cut off after CHUNKED_TIMEOUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
@@ -24,7 +25,7 @@ MODE_TIMEOUT=${MODE_TIMEOUT:-100}
 BUDGET=${BUDGET:-220}
 # Most important first: the first campaign measured the ones before bare_compile, and timed out on gpt-oss (70 s) and
 # bare_compile (60 s), both still compiling.
-MODES=${MODES:-eager_bf16,compile,compile_float8,qwen3_next_fla,qwen3_moe_compile,deepseek_v3_compile,bare_eager,gpt_oss_flex_compile,bare_compile,llama3_8b_8_blocks,compile_selective_ac}
+MODES=${MODES:-eager_bf16,compile,compile_float8,compile_chunked_loss,qwen3_next_fla,qwen3_moe_compile,deepseek_v3_compile,bare_eager,gpt_oss_flex_compile,bare_compile,llama3_8b_8_blocks,compile_selective_ac}
 mkdir -p "$OUT"
 work=$(mktemp -d)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -63,6 +64,13 @@ fi
 "$PYTHON" benchmarks/gpu_throughput.py --device "$DEVICE" --out "$work/modes" --mode-timeout "$MODE_TIMEOUT" \
   --budget "$BUDGET" --modes "$MODES" "$@" >"$OUT/campaign_stdout.txt" 2>&1
 status=$?
+if [[ "$DEVICE" == cuda ]]; then
+  # The loss alone, chunked against whole logits in the same run, at the 3B model's dim and one microbatch's tokens.
+  timeout "${CHUNKED_TIMEOUT:-45}" "$PYTHON" benchmarks/chunked_loss.py --device cuda --dtype bf16 --dim 3072 \
+    --tokens 8192 --chunks 1024,2048,4096 --rounds 3 --out "$work/chunked" >"$OUT/chunked_loss_cuda.txt" 2>&1
+  echo "chunked_loss.py exit code: $?" >>"$OUT/chunked_loss_cuda.txt"
+  cat "$work/chunked/chunked_loss_cuda.txt" >>"$OUT/chunked_loss_cuda.txt" 2>/dev/null
+fi
 cp "$work/modes/gpu_throughput.md" "$OUT/campaign.md" 2>/dev/null
 cp "$work/modes/gpu_throughput.json" "$OUT/campaign.json" 2>/dev/null
 for f in "$work"/modes/*.log; do [[ -e "$f" ]] && { echo "===== $(basename "$f")"; cat "$f"; }; done >"$OUT/modes.log"

@@ -37,6 +37,8 @@ MODES: dict[str, list[str]] = {
     "compile": COMPILE,
     "compile_float8": [*COMPILE, "--float8.enable", "true"],
     "compile_selective_ac": [*COMPILE, "--activation_checkpoint.mode", "selective_op"],
+    # The chunked loss (1024-token chunks) against whole logits: compare with "compile".
+    "compile_chunked_loss": [*COMPILE, "--loss.chunked", "true"],
     # The same model in a hand-written plain-PyTorch step (see run_bare); not a Trainer run.
     "bare_eager": [],
     "bare_compile": COMPILE,

@@ -31,6 +31,7 @@ def test_every_mode_is_a_valid_config():
         "compile": (True, False, "none"),
         "compile_float8": (True, True, "none"),
         "compile_selective_ac": (True, False, "selective_op"),
+        "compile_chunked_loss": (True, False, "none"),
         "bare_eager": (False, False, "none"),
         "bare_compile": (True, False, "none"),
         "qwen3_moe_compile": (True, False, "none"),
@@ -43,6 +44,7 @@ def test_every_mode_is_a_valid_config():
         config = load_config(driver.mode_overrides(args, mode, args.batch, Path("/tmp/unused")))
         assert config.training.mixed_precision == "bf16" and config.training.device == "cuda"
         assert (config.compile.enable, config.float8.enable, config.activation_checkpoint.mode) == (compiled, float8, ac)
+        assert config.loss.chunked == (mode == "compile_chunked_loss")
         RunPlan.build(config, 1)  # the GPU run would not refuse it (checked for the declared CUDA device)
     assert set(expected) == set(driver.MODES)
     with pytest.raises(SystemExit):

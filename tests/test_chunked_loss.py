@@ -134,3 +134,27 @@ def test_a_run_logs_the_same_loss_and_validation_loss_with_the_chunked_loss(tmp_
     assert whole.validation is not None and abs(whole.validation - chunked.validation) <= EXACT
     assert max(abs(a - b) for a, b in zip(whole.losses, chunked.losses, strict=True)) <= 1e-5
     assert max(abs(a - b) for a, b in zip(whole.aux["mtp_loss"], chunked.aux["mtp_loss"], strict=True)) <= 1e-5
+
+
+def test_validation_takes_the_held_out_loss_in_chunks_and_leaves_logits_to_evaluation(tmp_path, monkeypatch) -> None:
+    """Validation (eval mode) runs the chunked loss as training does: the head hands the loss hidden states, never
+    logits over all tokens; outside validation the eval-mode head still returns logits (for evaluation and generation)."""
+    from meshloom.config.loader import load_config
+    from meshloom.testing.layout_parity import run_args
+    from meshloom.train.trainer import Trainer
+
+    argv = run_args(1, tmp_path, [
+        "--validation.enable", "true", "--validation.steps", "2", "--data.validation_fraction", "0.2",
+        "--loss.chunked", "true", "--loss.chunk_tokens", "100", "--job.dump_folder", str(tmp_path / "run"),
+    ])  # fmt: skip
+    trainer = Trainer(load_config(argv))
+    head = trainer.model.output
+    widths = []
+    forward = ChunkedOutputHead.forward
+    monkeypatch.setattr(ChunkedOutputHead, "forward", lambda self, hidden: widths.append((out := forward(self, hidden)).shape[-1]) or out)
+    assert trainer.validate() > 0
+    assert widths == [trainer.plan.model_args.dim] * 2 and not head.held_out
+    head.eval()
+    with torch.no_grad():
+        logits = trainer.model(torch.zeros(1, 4, dtype=torch.long))
+    assert logits.shape[-1] == trainer.plan.model_args.vocab_size

@@ -5,7 +5,8 @@ launches.
 
 Layouts: FSDP, HSDP, TP (the vocabulary-sharded log-sum-exp), PP with 1F1B (the last stage) and with ZBVZeroBubble
 (rank 0 holds the last stage), CP, EP and FSDP x TP. Bound: the parity harness's fp32 tolerance on every step's loss,
-the prediction modules' loss and the last gradient norm."""
+the prediction modules' loss, the last gradient norm and the held-out loss after the last step (which validation
+takes in chunks too)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import pytest
 from meshloom.testing.layout_parity import FP32_TOLERANCE, ParityCase, launch, run_args, run_steps
 
 STEPS = 10
-COMMON = ["--model.name", "deepseek_v3", "--model.n_layers", "4", "--training.seq_len", "32"]
+COMMON = [
+    "--model.name", "deepseek_v3", "--model.n_layers", "4", "--training.seq_len", "32",
+    "--validation.enable", "true", "--validation.steps", "1", "--data.validation_fraction", "0.2",
+]  # fmt: skip
 CHUNKED = "loss.chunked=true,loss.chunk_tokens=100"
 LAYOUTS = (
     "dp_shard=2",
@@ -49,3 +53,4 @@ def test_layout_with_chunked_loss_matches_one_process_with_whole_logits(curves, 
     mtp = max(abs(a - b) for a, b in zip(reference.aux["mtp_loss"], curve.aux["mtp_loss"], strict=True))
     assert mtp <= FP32_TOLERANCE, (layout, reference.aux, curve.aux)
     assert abs(reference.grad_norms[-1] - curve.grad_norms[-1]) <= FP32_TOLERANCE
+    assert reference.validation is not None and abs(reference.validation - curve.validation) <= FP32_TOLERANCE

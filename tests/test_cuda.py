@@ -1,4 +1,5 @@
-"""What only a GPU can show: NCCL parity, async TP, Float8 and fused AdamW on CUDA, and the allocator's memory snapshot.
+"""What only a GPU can show: NCCL parity, async TP, Float8, fused AdamW and the chunked loss on CUDA, and the
+allocator's memory snapshot.
 
 Every test carries the `cuda` marker: it runs when torch.cuda.is_available() and is skipped with the reason
 otherwise (tests/conftest.py). The multi-GPU ones also skip, saying so, on a host with a single GPU. The same
@@ -114,3 +115,18 @@ def test_every_family_trains_compiled_in_bf16_on_cuda(tmp_path, data_cache, fami
         assert experts and all(m.grouped_mm is (torch.cuda.get_device_capability() >= (9, 0)) for m in experts)
         assert all(m.compute_dtype is torch.bfloat16 for m in experts)
     assert trainer.plan.kernels.lines, "the start-up summary names each block's kernel"
+
+
+def test_chunked_loss_trains_like_whole_logits_compiled_in_bf16_on_cuda(tmp_path, data_cache):
+    """What a GPU run of the chunked loss runs: the Trainer, bf16, compiled blocks, the chunked head between them
+    (chunks of 100 tokens over 512, a remainder included); 5 steps close to whole logits."""
+    from meshloom.testing.layout_parity import BF16_TOLERANCE
+
+    argv = base_overrides(5, tmp_path) + CUDA + [
+        "--data.cache_dir", str(data_cache), "--training.mixed_precision", "bf16", "--compile.enable", "true",
+    ]  # fmt: skip
+    _, whole = _losses(argv + ["--job.dump_folder", str(tmp_path / "whole")], 5)
+    chunked_run = ["--loss.chunked", "true", "--loss.chunk_tokens", "100", "--job.dump_folder", str(tmp_path / "chunked")]
+    _, chunked = _losses(argv + chunked_run, 5)
+    assert max(abs(a - b) for a, b in zip(whole, chunked)) <= BF16_TOLERANCE, (whole, chunked)
+    assert chunked[-1] < chunked[0]

@@ -90,6 +90,36 @@ def test_float8_is_chosen_by_predicted_time_and_only_where_linears_qualify():
     assert float8_choices("llama3", "tiny", 1, SearchSpace()) == (False, True)
 
 
+def test_the_chunked_loss_is_taken_only_where_whole_logits_do_not_fit_and_its_recipe_builds():
+    """The chunked loss costs no step time in the model, so a layout carries it only where its whole-logits twin (same
+    degrees, AC mode, optimizer and Float8) runs out of memory; at gpt-oss 20B's 201k vocabulary on 8 x 80 GiB
+    that is the fastest layout. `--chunked-loss off` offers none, and a chunked layout's recipe builds the same layout."""
+    cluster = Cluster(gpus=8, gpus_per_node=8, memory_gib=80)
+    shape = _shape("gpt_oss", "20B")
+    found = plan("20B", cluster, seq_len=8192, global_batch=16, model="gpt_oss")
+    chunked = [c for c in found if c.layout.loss_chunk_tokens]
+    assert found[0].layout.loss_chunk_tokens == 1024 and len(chunked) < len(found)
+    for c in chunked:
+        whole = dataclasses.replace(c.layout, loss_chunk_tokens=0)
+        assert not cluster.fits(estimate_memory(shape, whole, 8192, Precision("bf16")).peak, whole), c.layout
+    base = base_config("gpt_oss", "20B", 8192)
+    for candidate in chunked[:5]:
+        config = layout_config(base, candidate.layout)
+        assert config.loss.chunked and config.loss.chunk_tokens == 1024
+        assert layout_of(RunPlan.build(config, 8)) == candidate.layout
+    off = plan("20B", cluster, seq_len=8192, global_batch=16, model="gpt_oss", space=SearchSpace(loss_chunks=(0,)))
+    assert off and not any(c.layout.loss_chunk_tokens for c in off)
+    assert found[0].step_s < off[0].step_s  # whole logits need a slower AC mode or layout here
+
+
+def test_plan_command_offers_the_chunked_loss_unless_told_not_to(capsys):
+    argv = ["--model", "gpt_oss", "--flavor", "20B", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--top", "1"]
+    assert plan_main(argv) == 0
+    assert "chunked loss (1024 tokens)" in capsys.readouterr().out
+    assert plan_main([*argv, "--chunked-loss", "off"]) == 0
+    assert "chunked loss" not in capsys.readouterr().out
+
+
 def test_expert_all_to_all_overlapped_up_to_the_expert_compute_or_exposed():
     """Overlapped: dispatch and combine hidden behind the routed experts' matmuls up to their time, the remainder
     exposed; exposed (meshloom's own dispatch): all of it on the critical path."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from meshloom.cli.numbers import fraction, number, positive_float, positive_int, CommandParser
 from meshloom.output import check_output_file, write_output_file
 from meshloom.config.errors import UserError
+from meshloom.config.loss import DEFAULT_CHUNK_TOKENS
 from meshloom.planning.layout import AC_MODES
 from meshloom.planning.memory_estimate import OPTIMIZERS
 from meshloom.planning.plan_report import expert_comm_note, format_table, layout_toml, recipe_note
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ac", default=",".join(AC_MODES), help="activation-checkpointing modes to try")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="optimizers to try (optimizer.name)")
     parser.add_argument("--float8", default="both", choices=("both", "on", "off"), help="whether to try Float8")
+    parser.add_argument("--chunked-loss", default="both", choices=("both", "on", "off"),
+                        help=f"whether to try the chunked loss (loss.chunked, {DEFAULT_CHUNK_TOKENS}-token chunks)")
     parser.add_argument("--schedules", default=",".join(PLAN_SCHEDULES), help="pipeline schedules to try")
     parser.add_argument("--split-points", default="", help="pipeline.split_points every pipelined layout must use")
     parser.add_argument("--top", type=number(NUMBERS, "--top"), default=5)
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             {"both": (False, True), "on": (True,), "off": (False,)}[opts.float8],
             _choices(opts.schedules, PLAN_SCHEDULES, "--schedules"),
             opts.split_points,
+            {"both": (0, DEFAULT_CHUNK_TOKENS), "on": (DEFAULT_CHUNK_TOKENS,), "off": (0,)}[opts.chunked_loss],
         )
         cluster = Cluster(opts.gpus, opts.gpus_per_node, opts.gpu_memory_gib, opts.interconnect, opts.peak_tflops, opts.mfu, opts.headroom,
                           expert_comm=opts.expert_comm)  # fmt: skip

@@ -1,9 +1,10 @@
 """The output head of a run with the chunked loss (loss.chunked): it takes the place of the model's output Linear
 and keeps the same `weight` parameter (so a tied embedding stays tied and checkpoints keep their names).
 
-In training mode its forward returns the final norm's output unchanged (gathered over the sequence under tensor
-parallel), and the loss projects it a chunk of tokens at a time (chunked_loss.py). In eval mode it returns logits as
-the Linear did (vocabulary-sharded under loss parallel), so validation, evaluation and generation read logits.
+In training mode, and for validation's held-out loss (`held_out_loss`), its forward returns the final norm's output
+unchanged (gathered over the sequence under tensor parallel), and the loss projects it a chunk of tokens at a time
+(chunked_loss.py). Otherwise in eval mode it returns logits as the Linear did (vocabulary-sharded under loss
+parallel), which evaluation and generation read.
 
 Under tensor parallel the weight's vocabulary rows are split (Shard(0)), as ColwiseParallel splits the Linear's;
 the hidden states arrive sequence-sharded and are all-gathered, and their gradient, this rank's part of a sum over
@@ -11,6 +12,9 @@ its vocabulary rows, goes back through the same DTensor redistribution, which re
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -33,6 +37,13 @@ class ChunkedOutputHead(nn.Module):
         self.repeatable_backward = repeatable_backward
         self.tp_mesh: DeviceMesh | None = None
         self.loss_parallel = False
+        # Set by held_out_loss: in eval mode too, hand the hidden states to the chunked loss.
+        self.held_out = False
+
+    @property
+    def returns_hidden(self) -> bool:
+        """Whether forward hands the hidden states to the chunked loss (training, validation) rather than logits."""
+        return self.training or self.held_out
 
     def shard_vocabulary(self, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
         """Tensor parallel: split the weight's vocabulary rows over `tp_mesh`; `loss_parallel` says which logits
@@ -62,7 +73,7 @@ class ChunkedOutputHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self._gathered(hidden)
-        if self.training:
+        if self.returns_hidden:
             return hidden
         logits = hidden.to(self._local_weight().dtype) @ self._local_weight().t()
         if self.tp_mesh is None:
@@ -85,3 +96,18 @@ class ChunkedOutputHead(nn.Module):
 def chunked_mean_loss(head: ChunkedOutputHead, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean over the labels that count (not IGNORE_INDEX), as F.cross_entropy's default reduction."""
     return head.loss_sum(output, labels) / (labels != IGNORE_INDEX).sum()
+
+
+@contextlib.contextmanager
+def held_out_loss(parts: Iterable[nn.Module]) -> Iterator[None]:
+    """Validation: the chunked heads among `parts` hand their hidden states to the chunked loss in eval mode too, so
+    the held-out loss builds no logits over all tokens either (a run that fits only with the chunked loss would not
+    fit its validation otherwise)."""
+    heads = [module for part in parts for module in part.modules() if isinstance(module, ChunkedOutputHead)]
+    for head in heads:
+        head.held_out = True
+    try:
+        yield
+    finally:
+        for head in heads:
+            head.held_out = False

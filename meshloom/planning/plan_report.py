@@ -22,6 +22,7 @@ def _layout_line(layout: Layout) -> str:
     elif layout.grad_accum_steps > 1:
         batch += " (accumulated)"
     extras = f"ac {layout.ac}, {layout.optimizer}" + (", float8" if layout.float8 else "")
+    extras += f", chunked loss ({layout.loss_chunk_tokens} tokens)" if layout.loss_chunk_tokens else ""
     return f"{degrees} | {batch} | {extras}"
 
 
@@ -39,11 +40,11 @@ def format_candidate(rank: int, candidate: Candidate) -> str:
 
 
 def distinct_layouts(candidates: list[Candidate], top: int) -> list[Candidate]:
-    """The first `top` candidates that differ in more than the AC mode, the optimizer or Float8 (the fastest
-    variant of each); the variants are ranked among themselves in the full list."""
+    """The first `top` candidates that differ in more than the AC mode, the optimizer, Float8 or the loss (the
+    fastest variant of each); the variants are ranked among themselves in the full list."""
     seen, chosen = set(), []
     for candidate in candidates:
-        key = dataclasses.replace(candidate.layout, ac="none", optimizer="AdamW", float8=False)
+        key = dataclasses.replace(candidate.layout, ac="none", optimizer="AdamW", float8=False, loss_chunk_tokens=0)
         if key not in seen:
             seen.add(key)
             chosen.append(candidate)

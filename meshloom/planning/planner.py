@@ -4,14 +4,17 @@ step time (`meshloom.planning.step_time`).
 
 The search covers the parallel degrees (dp_replicate, dp_shard, tp inside a node, cp, pp, and ep for
 mixture-of-experts models), pipeline schedules with their microbatch counts, gradient accumulation (a smaller
-local batch times more accumulation steps), the activation-checkpointing mode, AdamW vs Muon and Float8. Every
+local batch times more accumulation steps), the activation-checkpointing mode, AdamW vs Muon, Float8 and the
+chunked loss (loss.chunked, in chunks of its default size). Every
 layout it reports was built by `RunPlan.build` from the settings its recipe carries, as `meshloom train` builds
 it, so a plan never proposes what the trainer refuses, and `layout_of(plan)` is the layout it estimates.
 
 Each structure (degrees, schedule, microbatching) is first estimated in its most frugal variant (full
-checkpointing, Muon, Float8 where the model's linears qualify); when even that does not fit, its other variants are
-skipped unseen. Otherwise the fastest of its variants (AC mode x optimizer x Float8) that fits stands for it
-(`_fastest_fitting_variant`): Float8 is a choice timed like the others, never taken for granted.
+checkpointing, Muon, Float8 where the model's linears qualify, the chunked loss); when even that does not fit, its
+other variants are skipped unseen. Otherwise the fastest of its variants (AC mode x optimizer x Float8 x loss) that
+fits stands for it (`_fastest_fitting_variant`): Float8 is a choice timed like the others, never taken for granted.
+The chunked loss costs no step time in the model (on CPU it is no slower than whole logits,
+benchmarks/chunked_loss.py), so a layout takes it only where whole logits do not fit, or need a slower AC mode.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from meshloom.config.errors import ConfigError, UserError
+from meshloom.config.loss import DEFAULT_CHUNK_TOKENS
 from meshloom.config.schema import Config
 from meshloom.models.registry import get_model_args, get_model_spec
 from meshloom.models.shape import ShapeModel
@@ -55,6 +59,8 @@ class SearchSpace:
     schedules: tuple[str, ...] = PLAN_SCHEDULES
     # pipeline.split_points every pipelined layout must use (empty: the even split).
     split_points: str = ""
+    # loss.chunk_tokens values to try, whole logits first (0: whole logits; n: loss.chunked in chunks of n tokens).
+    loss_chunks: tuple[int, ...] = (0, DEFAULT_CHUNK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -140,23 +146,28 @@ def _fastest_fitting_variant(
     shape: ShapeModel, layout: Layout, space: SearchSpace, seq_len: int, precision: Precision, cluster: Cluster,
     float8: tuple[bool, ...] = (False,),
 ) -> Candidate | None:  # fmt: skip
-    """Of one structure's variants (AC mode x optimizer x Float8), the fastest that fits: only it can rank, since a
-    faster one that fits would beat it and a slower one never ranks above it.
+    """Of one structure's variants (AC mode x optimizer x Float8 x loss), the fastest that fits: only it can rank, since
+    a faster one that fits would beat it and a slower one never ranks above it. Of equally fast variants the first
+    tried stands: whole logits before the chunked loss.
 
     `float8` holds the Float8 settings offered (True only where the model's linears qualify at this tp). For each
     optimizer and Float8 setting the AC modes are tried fastest first up to the first that fits; those winners are
     then timed against each other (Muon's Newton-Schulz time against the recomputation AdamW's extra memory may force;
     Float8's faster matmuls against its casts, which cost more than they gain on small matrices)."""
     best = None
-    for optimizer in space.optimizers:
-        for f8 in float8:
-            for ac in (mode for mode in AC_SPEED_ORDER if mode in space.ac_modes):
-                variant = dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=f8)
+    ac_modes = [mode for mode in AC_SPEED_ORDER if mode in space.ac_modes]
+    for optimizer, f8 in itertools.product(space.optimizers, float8):
+        # The AC modes still worth trying: a later loss setting, costing no time, only wins at a faster mode.
+        modes = ac_modes
+        for chunk in space.loss_chunks:
+            for index, ac in enumerate(modes):
+                variant = dataclasses.replace(layout, ac=ac, optimizer=optimizer, float8=f8, loss_chunk_tokens=chunk)
                 memory = estimate_memory(shape, variant, seq_len, precision)
                 if cluster.fits(memory.peak, variant):
                     time = step_time(shape, variant, seq_len, precision, cluster)
                     if best is None or time.step < best.time.step:
                         best = Candidate(variant, memory, time)
+                    modes = modes[:index]
                     break
     return best
 
@@ -203,7 +214,11 @@ def search_layouts(
     counts = tuple(b - a for a, b in zip([0] + points, points + [args.n_layers])) if points else ()
     _refuse_long_search(_structures(shape, cluster, seq_len, global_batch, space, counts), cluster.gpus)
     search, candidates = _Search(), []
-    frugal = dict(ac="full" if "full" in space.ac_modes else space.ac_modes[0], optimizer=min(space.optimizers, key=("Muon", "AdamW").index))
+    frugal = dict(
+        ac="full" if "full" in space.ac_modes else space.ac_modes[0],
+        optimizer=min(space.optimizers, key=("Muon", "AdamW").index),
+        loss_chunk_tokens=min((c for c in space.loss_chunks if c), default=0),  # the smallest chunks hold the least
+    )
     too_big: set[tuple] = set()
     for structure in _structures(shape, cluster, seq_len, global_batch, space, counts):
         # Microbatch sizes come in increasing order: once one does not fit, larger ones (with the same kind of

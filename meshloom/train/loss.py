@@ -57,8 +57,8 @@ class TrainingLoss:
 
 def next_token_loss(plan: RunPlan, parts: Sequence[nn.Module]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The cross-entropy a run trains on, given its model (or this rank's pipeline stages): with loss.chunked, the
-    chunked projection and loss of the output head (parallel/output_head.py) on the hidden states a training-mode
-    forward returns, and plain cross-entropy on the logits an eval-mode forward returns; otherwise whole logits."""
+    chunked projection and loss of the output head (parallel/output_head.py) on the hidden states it returns in
+    training and validation, and plain cross-entropy on the logits it returns otherwise; else whole logits."""
     heads = [getattr(part, plan.spec.parallel.output, None) for part in parts]
     head = next((h for h in heads if isinstance(h, ChunkedOutputHead)), None)
     if head is None:
@@ -66,7 +66,7 @@ def next_token_loss(plan: RunPlan, parts: Sequence[nn.Module]) -> Callable[[torc
 
     def chunked(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Eager even under compile: the chunks' loop runs between compiled blocks (and its collectives under TP).
-        return chunked_mean_loss(head, output, labels) if head.training else cross_entropy_loss(output, labels)
+        return chunked_mean_loss(head, output, labels) if head.returns_hidden else cross_entropy_loss(output, labels)
 
     return chunked
 

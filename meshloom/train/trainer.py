@@ -18,6 +18,7 @@ from meshloom.checkpoint.state import TrainingParts, TrainProgress
 from meshloom.config.errors import ConfigError
 from meshloom.config.schema import Config
 from meshloom.data.build import DataBundle, build_data, check_data_config, check_data_lasts
+from meshloom.data.loader import Batch
 from meshloom.data.tokenizer import check_builtin_vocab_fits
 from meshloom.inference.training_samples import build_prompt_sampler, check_sampling_config
 from meshloom.observe import flight_recorder
@@ -40,6 +41,7 @@ from meshloom.parallel.distributed import (
 )
 from meshloom.parallel.float8 import sync_float8_scales
 from meshloom.parallel.grad_clip import clip_grads_, global_grad_norm
+from meshloom.parallel.output_head import held_out_loss
 from meshloom.parallel.tensor import loss_parallel_context
 from meshloom.planning.run_plan import RunPlan
 from meshloom.tensors import local_tensor
@@ -306,21 +308,25 @@ class Trainer:
         if loader is None or not self.config.validation.enable:
             return None
         self.model.eval()
-        losses = []
-        for _ in range(self.config.validation.steps):
-            batch = self.shard_batch(loader.next_batch())
-            if self.pipeline is not None:
-                loss = self.pipeline.eval_loss(batch.inputs, batch.labels, batch.document_ids)
-            else:
-                with loss_parallel_context(self.loss_parallel):
-                    loss, _ = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
-            loss = local_tensor(loss)
-            if self.dims.is_distributed:
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
-            losses.append(float(loss))
+        # The chunked loss takes the held-out loss a chunk at a time too: no logits over all tokens.
+        with held_out_loss(self.model_parts):
+            losses = [self._held_out_loss(loader.next_batch()) for _ in range(self.config.validation.steps)]
         # Every evaluation sees the same held-out batches, so values are comparable over time.
         loader.rewind()
         return sum(losses) / len(losses)
+
+    def _held_out_loss(self, batch: Batch) -> float:
+        """The mean loss of one held-out global batch."""
+        batch = self.shard_batch(batch)
+        if self.pipeline is not None:
+            loss = self.pipeline.eval_loss(batch.inputs, batch.labels, batch.document_ids)
+        else:
+            with loss_parallel_context(self.loss_parallel):
+                loss, _ = self.forward_loss(batch.inputs, batch.labels, batch.document_ids)
+        loss = local_tensor(loss)
+        if self.dims.is_distributed:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.mesh("dp_cp").get_group())
+        return float(loss)
 
     def _should_log(self) -> bool:
         return self.step == 1 or self.step % self.config.metrics.log_freq == 0 or self.step == self.config.training.steps
