@@ -103,12 +103,34 @@ def test_run_folder_on_validation_split_and_prepared_shards(workdir: Path, tmp_p
     assert abs(on_shards["loss"] - on_text["loss"]) <= 1e-6 and on_shards["bytes"] == on_text["bytes"]
 
 
+CHUNKED = ["--loss.chunked", "true", "--loss.chunk_tokens", "7"]  # chunks that divide no batch's tokens
+
+
+def test_a_run_with_the_chunked_loss_evaluates_in_chunks_to_the_same_numbers(workdir: Path, monkeypatch) -> None:
+    """With loss.chunked the head hands the loss hidden states, never logits over all tokens, and the numbers are
+    those of whole logits."""
+    from meshloom.models.registry import get_model_args
+    from meshloom.parallel.output_head import ChunkedOutputHead
+
+    docs, run = [str(workdir / "docs")], str(workdir / "run")
+    whole = evaluate(run, EvalOptions(docs, 16, 3, progress=False))
+    widths = []
+    forward = ChunkedOutputHead.forward
+    monkeypatch.setattr(ChunkedOutputHead, "forward", lambda self, hidden: widths.append((out := forward(self, hidden)).shape[-1]) or out)
+    chunked = evaluate(run, EvalOptions(docs, 16, 3, progress=False, overrides=tuple(CHUNKED)))
+    assert widths and set(widths) == {get_model_args("llama3", "tiny").dim}
+    assert chunked["tokens"] == whole["tokens"] and abs(chunked["loss"] - whole["loss"]) <= 1e-6 * whole["loss"]
+
+
 def test_fsdp_tp_and_pp_give_the_one_process_numbers(workdir: Path, tmp_path: Path, subprocess_env) -> None:
     docs, run, hf = str(workdir / "docs"), str(workdir / "run"), str(workdir / "hf")
     cases = {
         "fsdp2-dcp": {"source": run, "settings": ["--parallelism.dp_shard", "2"]},
         "tp2-hf": {"source": hf, "settings": ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"]},
         "pp2-dcp": {"source": run, "settings": ["--parallelism.pp", "2", "--parallelism.dp_shard", "1"]},
+        # The chunked loss: its head splits the vocabulary under TP, and sits on the last stage under PP.
+        "tp2-chunked": {"source": run, "settings": ["--parallelism.tp", "2", "--parallelism.dp_shard", "1", *CHUNKED]},
+        "pp2-chunked": {"source": run, "settings": ["--parallelism.pp", "2", "--parallelism.dp_shard", "1", *CHUNKED]},
     }
     for case in cases.values():
         case.update(data=[docs], seq_len=16, batch_size=2)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from meshloom.config.schema import Config
 from meshloom.eval.data import IGNORE, EvalSet, load_eval_set
 from meshloom.inference import loading
 from meshloom.parallel.distributed import init_distributed, rank, world_size_from_env
+from meshloom.parallel.output_head import ChunkedOutputHead, held_out_loss
 from meshloom.planning.run_plan import RunPlan
 from meshloom.train.runtime import select_device
 
@@ -77,6 +79,15 @@ def _sum_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
 
 
+def _summed_loss_of(parts: list[nn.Module]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The summed loss of what the model returns: a run with the chunked loss (loss.chunked) keeps it under
+    `held_out_loss`, its head handing hidden states to the loss a chunk of tokens at a time; else whole logits."""
+    head = next((m for part in parts for m in part.modules() if isinstance(m, ChunkedOutputHead)), None)
+    if head is None:
+        return _sum_loss
+    return lambda output, labels: head.loss_sum(output, labels) if head.returns_hidden else _sum_loss(output, labels)
+
+
 def _load_weights(source: loading.InferenceSource, parts: list[nn.Module], plan: RunPlan) -> None:
     if source.hf is not None:
         from meshloom.checkpoint.hf import load_into_model_parts  # noqa: PLC0415
@@ -111,22 +122,24 @@ class _Model:
         if plan.pipeline is not None:
             pp_mesh = plan.dims.mesh("pp")
             stage_ids = plan.pipeline.stages_of(pp_mesh.get_local_rank())
-            stages = build_pipeline_stages(plan, device, stage_ids)
-            self.runner = PipelineRunner(plan.pipeline, stages, stage_ids, pp_mesh, device, autocast, TrainingLoss(_sum_loss, {}))
-            self.parts = stages
+            self.parts = build_pipeline_stages(plan, device, stage_ids)
+            loss = TrainingLoss(_summed_loss_of(self.parts), {})
+            self.runner = PipelineRunner(plan.pipeline, self.parts, stage_ids, pp_mesh, device, autocast, loss)
         else:
             self.parts = [build_model(plan, device)]
+        self.summed_loss = _summed_loss_of(self.parts)
         for part in self.parts:
             part.eval()
 
     @torch.no_grad()
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.runner is not None:
-            # eval_loss is the mean over microbatches of each one's summed loss; times their number, the batch's sum.
-            return self.runner.eval_loss(inputs, labels, None) * self.plan.pipeline.microbatches
-        with self.autocast():
-            logits = self.parts[0](inputs.to(self.device))
-        return _sum_loss(logits, labels.to(self.device))
+        with held_out_loss(self.parts):
+            if self.runner is not None:
+                # eval_loss is the mean over microbatches of each one's summed loss; times their number, the batch's sum.
+                return self.runner.eval_loss(inputs, labels, None) * self.plan.pipeline.microbatches
+            with self.autocast():
+                output = self.parts[0](inputs.to(self.device))
+            return self.summed_loss(output, labels.to(self.device))
 
 
 def evaluate(source_path: str | Path, options: EvalOptions) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """The output head of a run with the chunked loss (loss.chunked): it takes the place of the model's output Linear
 and keeps the same `weight` parameter (so a tied embedding stays tied and checkpoints keep their names).
 
-In training mode, and for validation's held-out loss (`held_out_loss`), its forward returns the final norm's output
-unchanged (gathered over the sequence under tensor parallel), and the loss projects it a chunk of tokens at a time
-(chunked_loss.py). Otherwise in eval mode it returns logits as the Linear did (vocabulary-sharded under loss
-parallel), which evaluation and generation read.
+In training mode, and for a held-out loss (`held_out_loss`: validation, `meshloom eval`), its forward returns the
+final norm's output unchanged (gathered over the sequence under tensor parallel), and the loss projects it a chunk of
+tokens at a time (chunked_loss.py). Otherwise in eval mode it returns logits as the Linear did (vocabulary-sharded
+under loss parallel), which generation reads.
 
 Under tensor parallel the weight's vocabulary rows are split (Shard(0)), as ColwiseParallel splits the Linear's;
 the hidden states arrive sequence-sharded and are all-gathered, and their gradient, this rank's part of a sum over
@@ -100,9 +100,9 @@ def chunked_mean_loss(head: ChunkedOutputHead, output: torch.Tensor, labels: tor
 
 @contextlib.contextmanager
 def held_out_loss(parts: Iterable[nn.Module]) -> Iterator[None]:
-    """Validation: the chunked heads among `parts` hand their hidden states to the chunked loss in eval mode too, so
-    the held-out loss builds no logits over all tokens either (a run that fits only with the chunked loss would not
-    fit its validation otherwise)."""
+    """A held-out loss (validation, `meshloom eval`): the chunked heads among `parts` hand their hidden states to the
+    chunked loss in eval mode too, so it builds no logits over all tokens either (a run that fits only with the
+    chunked loss would not fit its validation otherwise)."""
     heads = [module for part in parts for module in part.modules() if isinstance(module, ChunkedOutputHead)]
     for head in heads:
         head.held_out = True
