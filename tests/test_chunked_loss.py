@@ -1,7 +1,8 @@
 """The chunked loss (loss.chunked; meshloom/parallel/chunked_loss.py, output_head.py) computes what whole logits
 compute: the loss and every gradient within 1e-6 in fp32, on every registered family (tied embeddings and
 multi-token prediction included), for chunk sizes that do and do not divide the token count (and of one token, and
-of more tokens than there are)."""
+of more tokens than there are); and a run's metrics (tokens seen, per-source accounting, the training and validation
+losses) are those of a run with whole logits."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ get_model_spec("llama3")  # registers the built-in families
 FAMILIES = sorted(MODEL_REGISTRY)
 
 
-def _variants() -> list[tuple[str, bool]]:
-    """Every family, and again with tied embeddings where its args can tie."""
+def _variants() -> list[tuple[str, str, bool]]:
+    """Every family, again with tied embeddings where its args can tie, and Qwen3's MoE flavour (its router and
+    experts; the other MoE families are MoE in their tiny flavour already)."""
     out = []
     for family in FAMILIES:
-        out.append((family, False))
+        out.append((family, "tiny", False))
         if "tie_embeddings" in {f.name for f in dataclasses.fields(get_model_args(family, "tiny"))}:
-            out.append((family, True))
+            out.append((family, "tiny", True))
+    out.append(("qwen3", "tiny_moe", False))
     return out
 
 
@@ -43,10 +46,10 @@ def _loss_and_grads(model: torch.nn.Module, loss_fn: TrainingLoss, tokens: torch
     return parts, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("family", "tied"), _variants(), ids=lambda v: str(v))
-def test_every_family_chunked_loss_and_gradients_equal_whole_logits(family: str, tied: bool) -> None:
+@pytest.mark.parametrize(("family", "flavor", "tied"), _variants(), ids=lambda v: str(v))
+def test_every_family_chunked_loss_and_gradients_equal_whole_logits(family: str, flavor: str, tied: bool) -> None:
     spec = get_model_spec(family)
-    args = get_model_args(family, "tiny")
+    args = get_model_args(family, flavor)
     if tied:
         args = dataclasses.replace(args, tie_embeddings=True)
     torch.manual_seed(0)
@@ -158,3 +161,39 @@ def test_validation_takes_the_held_out_loss_in_chunks_and_leaves_logits_to_evalu
     with torch.no_grad():
         logits = trainer.model(torch.zeros(1, 4, dtype=torch.long))
     assert logits.shape[-1] == trainer.plan.model_args.vocab_size
+
+
+def test_the_metrics_of_a_mixed_run_are_the_same_with_the_chunked_loss(tmp_path) -> None:
+    """A run over a two-source mixture, with and without the chunked loss: the same tokens seen, and in
+    metrics.jsonl the same rows and keys, the same per-source accounting (tokens, documents, epochs, shares) to the
+    token, and losses within 1e-5."""
+    import json
+
+    from meshloom.config.loader import load_config
+    from meshloom.train.trainer import Trainer
+    from shard_fixtures import document, load_tokenizer, prepared, tokenizer_json
+
+    tok_path = tokenizer_json(tmp_path)
+    tokenizer = load_tokenizer(tok_path)
+    web = prepared(tmp_path / "web", tokenizer, [document(i) for i in range(40)])
+    code = prepared(tmp_path / "code", tokenizer, [document(i, words=30) for i in range(100, 130)])
+    common = [
+        "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "4", "--training.steps", "3",
+        "--metrics.progress_bar", "false", "--metrics.peak_tflops", "1", "--metrics.log_freq", "1",
+        "--data.dataset", "shards", "--data.shards", f"{web}:3,{code}:1", "--data.tokenizer", str(tok_path),
+        "--data.validation_fraction", "0.0", "--validation.enable", "false",
+    ]  # fmt: skip
+    rows = {}
+    for path, extra in (("whole", []), ("chunked", ["--loss.chunked", "true", "--loss.chunk_tokens", "50"])):
+        trainer = Trainer(load_config([*common, *extra, "--job.dump_folder", str(tmp_path / path)]))
+        trainer.train()
+        assert trainer.progress.tokens_seen == 3 * 4 * 32
+        lines = (tmp_path / path / "metrics.jsonl").read_text().splitlines()
+        rows[path] = [json.loads(line) for line in lines if "loss" in json.loads(line)]
+    assert [r["step"] for r in rows["whole"]] == [r["step"] for r in rows["chunked"]] == [1, 2, 3]
+    for whole, chunked in zip(rows["whole"], rows["chunked"], strict=True):
+        assert whole.keys() == chunked.keys()
+        counted = {k for k in whole if k.startswith("data/")}
+        assert {"data/web/tokens", "data/code/tokens", "data/web/share"} <= counted, sorted(whole)
+        assert {k: whole[k] for k in counted} == {k: chunked[k] for k in counted}
+        assert abs(whole["loss"] - chunked["loss"]) <= 1e-5

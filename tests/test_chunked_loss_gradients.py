@@ -6,7 +6,8 @@ DeepSeek-V3's prediction modules included.
 Each case is one Trainer step on 2 gloo ranks, run twice with the same data and weights: with whole logits, and with
 `loss.chunked` in chunks of 100 tokens (no microbatch here is a multiple of 100). The gradients are read when the
 optimizer is about to step (clipping off), gathered to whole tensors (DTensor.full_tensor) and merged over the
-ranks by parameter name; together they must name every parameter of the one-process model."""
+ranks by parameter name; together they must name every parameter of the one-process model. Qwen3's MoE flavour
+(`qwen3_moe/...`) joins the families, whose other MoE members are MoE in their tiny flavour already."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ get_model_spec("llama3")  # registers the built-in families
 FAMILIES = sorted(MODEL_REGISTRY)
 # Families whose args can tie the output projection to the embedding; tests/tied_flavors registers each tiny flavour
 # tied, as `<family>_tied`, in the ranks only (so the registry of this process, which other tests walk, is unchanged).
+MOE_FLAVOR = {"qwen3_moe": ("qwen3", "tiny_moe")}  # case prefix -> (family, flavour)
 TIEABLE = [f for f in FAMILIES if "tie_embeddings" in {field.name for field in dataclasses.fields(get_model_args(f, "tiny"))}]
 
 
@@ -45,6 +47,9 @@ def _cases() -> dict[str, tuple[str, bool, list[str]]]:
     for family in TIEABLE:
         cases[f"{family}_tied/tp2"] = (family, True, TP)
     cases["deepseek_v3/pp2-zbv"] = ("deepseek_v3", False, ZBV)
+    for prefix in MOE_FLAVOR:
+        cases[f"{prefix}/tp2"] = (prefix, False, TP)
+        cases[f"{prefix}/pp2"] = (prefix, False, PP)
     return cases
 
 
@@ -52,6 +57,9 @@ CASES = _cases()
 
 
 def _family_args(family: str, tied: bool) -> list[str]:
+    if family in MOE_FLAVOR:
+        name, flavor = MOE_FLAVOR[family]
+        return ["--model.name", name, "--model.flavor", flavor]
     plugin = ["--model.plugin", "tests.tied_flavors"] if tied else []
     return [*plugin, "--model.name", f"{family}_tied" if tied else family]
 
@@ -109,7 +117,8 @@ def gradients(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 def _parameter_names(family: str, tied: bool, case: str) -> set[str]:
-    args = get_model_args(family, "tiny")
+    family, flavor = MOE_FLAVOR.get(family, (family, "tiny"))
+    args = get_model_args(family, flavor)
     if tied:
         args = dataclasses.replace(args, tie_embeddings=True)
     if case.endswith("zbv"):
