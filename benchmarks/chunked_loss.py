@@ -1,12 +1,14 @@
 """The chunked loss (loss.chunked) against whole logits: time of the output projection + cross-entropy, forward and
-backward, at several chunk sizes, measured in the same run as the whole-logits baseline.
+backward, at several chunk sizes, measured in the same run as the whole-logits baseline. Also timed: the other way
+to chunk, `recompute_<chunk>` (each chunk's projection and loss under activation checkpointing, so backward
+recomputes its logits), the design meshloom/parallel/chunked_loss.py explains it does not take.
 
     PYTHONPATH=. .venv/bin/python benchmarks/chunked_loss.py --out benchmarks/results/2026-12-04
     PYTHONPATH=. python benchmarks/chunked_loss.py --device cuda --dtype bf16 --dim 3072 --tokens 8192 --out DIR
 
 Each round times every method once, in a rotated order (whole logits, then each chunk size), so that slow phases of a
 shared machine hit all of them alike; a figure is the median over rounds, and its ratio is to the whole-logits median
-of the same run. The peak memory of one forward and backward is read from torch's memory tracker on CPU (the
+of the same run. Before timing, every method's gradients are checked against whole logits'. The peak memory of one forward and backward is read from torch's memory tracker on CPU (the
 allocator's peak on CUDA). Writes chunked_loss_<device>.json and .txt under --out, with the commit and (on CPU) the
 lscpu flags that matter for matmuls.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from meshloom.parallel.chunked_loss import linear_cross_entropy_sum
 
@@ -38,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of one microbatch (batch x sequence)")
     parser.add_argument("--vocabs", default="128256,201088")
     parser.add_argument("--chunks", default="256,512,1024,2048")
+    parser.add_argument("--recompute-chunks", default="1024", help="chunk sizes of the recompute-in-backward variant ('' for none)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     parser.add_argument("--out", type=Path, required=True)
@@ -49,14 +53,49 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _methods(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: list[int]) -> dict[str, Callable[[], None]]:
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+
+
+def _methods(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: list[int], recompute_chunks: list[int]
+) -> dict[str, Callable[[], None]]:
     def whole() -> None:
         F.cross_entropy(F.linear(hidden, weight).float(), labels).backward()
 
     def chunked(chunk: int) -> Callable[[], None]:
         return lambda: (linear_cross_entropy_sum(hidden, weight, labels, chunk) / labels.numel()).backward()
 
-    return {"whole": whole, **{f"chunk_{c}": chunked(c) for c in chunks}}
+    def recomputed(chunk: int) -> Callable[[], None]:
+        def run() -> None:
+            total = sum(
+                checkpoint(_chunk_loss_sum, hidden[start : start + chunk], weight, labels[start : start + chunk], use_reentrant=False)
+                for start in range(0, labels.numel(), chunk)
+            )
+            (total / labels.numel()).backward()
+
+        return run
+
+    return {
+        "whole": whole,
+        **{f"chunk_{c}": chunked(c) for c in chunks},
+        **{f"recompute_{c}": recomputed(c) for c in recompute_chunks},
+    }
+
+
+def _check_gradients(methods: dict[str, Callable[[], None]], hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Every method's gradients equal whole logits' (loosely in bf16): a faster method that computes something else
+    would not be a comparison."""
+    grads = {}
+    for name, run in methods.items():
+        hidden.grad = weight.grad = None
+        run()
+        grads[name] = (hidden.grad.float(), weight.grad.float())
+    tolerance = 1e-5 if hidden.dtype == torch.float32 else 2e-2
+    for name, (grad_hidden, grad_weight) in grads.items():
+        for got, want in ((grad_hidden, grads["whole"][0]), (grad_weight, grads["whole"][1])):
+            error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+            assert error <= tolerance, f"{name}: gradient differs from whole logits' by {error:.2e} of its largest entry"
 
 
 def _peak_bytes(run: Callable[[], None], device: str) -> int:
@@ -81,14 +120,13 @@ def measure(args: argparse.Namespace, vocab: int) -> dict[str, dict[str, float]]
     hidden = torch.randn(args.tokens, args.dim, device=args.device, dtype=dtype).requires_grad_()
     weight = (torch.randn(vocab, args.dim, device=args.device, dtype=dtype) * args.dim**-0.5).requires_grad_()
     labels = torch.randint(0, vocab, (args.tokens,), device=args.device)
-    methods = _methods(hidden, weight, labels, [int(c) for c in args.chunks.split(",")])
+    recompute = [int(c) for c in args.recompute_chunks.split(",") if c]
+    methods = _methods(hidden, weight, labels, [int(c) for c in args.chunks.split(",")], recompute)
 
     def clear() -> None:
         hidden.grad = weight.grad = None
 
-    for run in methods.values():  # warm-up: allocator, kernels, thread pools
-        clear()
-        run()
+    _check_gradients(methods, hidden, weight)  # and the warm-up: allocator, kernels, thread pools
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for round_index in range(args.rounds):
@@ -141,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"vocab {vocab}:")
         for name, row in results.items():
             lines.append(
-                f"  {name:<12} {row['median_s']:8.3f} s (min {row['min_s']:.3f}, max {row['max_s']:.3f})"
+                f"  {name:<14} {row['median_s']:8.3f} s (min {row['min_s']:.3f}, max {row['max_s']:.3f})"
                 f"  x{row['ratio_to_whole']:.3f} of whole   peak {row['peak_bytes'] / 2**20:9.1f} MiB"
                 f"  x{row['peak_ratio_to_whole']:.3f}"
             )
