@@ -3,10 +3,11 @@ tokens ever exist: each chunk's logits give its tokens' losses and, at once, the
 the graph, so its gradient is known up to one scalar), and are freed before the next chunk. Backward only scales the
 gradients the forward summed.
 
-Why not recompute the logits in backward: that is a fourth matmul of the size of the projection; on this CPU it cost
-29% at 1024-token chunks, where computing the gradients in forward is faster than whole logits
-(benchmarks/chunked_loss.py). What the forward keeps for backward is the hidden states' and the weight's gradients,
-the sizes of the hidden states and of the weight.
+Why not recompute the logits in backward: that is a fourth matmul of the size of the projection, and autograd then
+holds a chunk's logits, log-softmax and their gradient at once. Measured by benchmarks/chunked_loss.py in one run
+(1024-token chunks, 128k and 201k vocabularies, CPU fp32; benchmarks/RESULTS.md), recomputing took 2.7-2.8x this
+function's time (as long as whole logits) and 2.6x its peak. What the forward keeps for backward is the hidden
+states' and the weight's gradients, the sizes of the hidden states and of the weight.
 
 The vocabulary may be split over a tensor-parallel group (each rank holds rows [vocab_start, vocab_start + V_local)
 of the output weight): then the maximum, the sum of exponentials and the target's logit are reduced over that group,
