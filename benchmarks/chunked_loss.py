@@ -91,7 +91,7 @@ def _check_gradients(methods: dict[str, Callable[[], None]], hidden: torch.Tenso
         hidden.grad = weight.grad = None
         run()
         grads[name] = (hidden.grad.float(), weight.grad.float())
-    tolerance = 1e-5 if hidden.dtype == torch.float32 else 2e-2
+    tolerance = 1e-5 if hidden.dtype == torch.float32 else 5e-2
     for name, (grad_hidden, grad_weight) in grads.items():
         for got, want in ((grad_hidden, grads["whole"][0]), (grad_weight, grads["whole"][1])):
             error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
