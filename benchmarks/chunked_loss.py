@@ -8,9 +8,9 @@ recomputes its logits), the design meshloom/parallel/chunked_loss.py explains it
 
 Each round times every method once, in a rotated order (whole logits, then each chunk size), so that slow phases of a
 shared machine hit all of them alike; a figure is the median over rounds, and its ratio is to the whole-logits median
-of the same run. Before timing, every method's gradients are checked against whole logits'. The peak memory of one forward and backward is read from torch's memory tracker on CPU (the
-allocator's peak on CUDA). Writes chunked_loss_<device>.json and .txt under --out, with the commit and (on CPU) the
-lscpu flags that matter for matmuls.
+of the same run. Before timing, every method's gradients are checked against whole logits'. The peak memory of one
+forward and backward is read from torch's memory tracker on CPU (the allocator's peak on CUDA). Writes
+chunked_loss_<device>.json and .txt under --out, with the commit and (on CPU) the lscpu flags that matter for matmuls.
 """
 
 from __future__ import annotations

@@ -188,8 +188,8 @@ def test_the_metrics_of_a_mixed_run_are_the_same_with_the_chunked_loss(tmp_path)
         trainer = Trainer(load_config([*common, *extra, "--job.dump_folder", str(tmp_path / path)]))
         trainer.train()
         assert trainer.progress.tokens_seen == 3 * 4 * 32
-        lines = (tmp_path / path / "metrics.jsonl").read_text().splitlines()
-        rows[path] = [json.loads(line) for line in lines if "loss" in json.loads(line)]
+        logged = [json.loads(line) for line in (tmp_path / path / "metrics.jsonl").read_text().splitlines()]
+        rows[path] = [row for row in logged if "loss" in row]
     assert [r["step"] for r in rows["whole"]] == [r["step"] for r in rows["chunked"]] == [1, 2, 3]
     for whole, chunked in zip(rows["whole"], rows["chunked"], strict=True):
         assert whole.keys() == chunked.keys()

@@ -7,7 +7,7 @@ Each case is one Trainer step on 2 gloo ranks, run twice with the same data and 
 `loss.chunked` in chunks of 100 tokens (no microbatch here is a multiple of 100). The gradients are read when the
 optimizer is about to step (clipping off), gathered to whole tensors (DTensor.full_tensor) and merged over the
 ranks by parameter name; together they must name every parameter of the one-process model. Qwen3's MoE flavour
-(`qwen3_moe/...`) joins the families, whose other MoE members are MoE in their tiny flavour already."""
+(`qwen3_moe/...`, tiny_moe) joins the families, whose other MoE members are MoE in their tiny flavour already."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -34,34 +35,36 @@ get_model_spec("llama3")  # registers the built-in families
 FAMILIES = sorted(MODEL_REGISTRY)
 # Families whose args can tie the output projection to the embedding; tests/tied_flavors registers each tiny flavour
 # tied, as `<family>_tied`, in the ranks only (so the registry of this process, which other tests walk, is unchanged).
-MOE_FLAVOR = {"qwen3_moe": ("qwen3", "tiny_moe")}  # case prefix -> (family, flavour)
 TIEABLE = [f for f in FAMILIES if "tie_embeddings" in {field.name for field in dataclasses.fields(get_model_args(f, "tiny"))}]
 
 
-def _cases() -> dict[str, tuple[str, bool, list[str]]]:
-    """case id -> (family, tied, settings). Tied models are not cut into stages (the declaration refuses it)."""
+class Case(NamedTuple):
+    family: str
+    flavor: str
+    tied: bool
+    layout: list[str]
+
+
+def _cases() -> dict[str, Case]:
+    """case id -> Case. Tied models are not cut into stages (the declaration refuses it)."""
     cases = {}
     for family in FAMILIES:
-        cases[f"{family}/tp2"] = (family, False, TP)
-        cases[f"{family}/pp2"] = (family, False, PP)
+        cases[f"{family}/tp2"] = Case(family, "tiny", False, TP)
+        cases[f"{family}/pp2"] = Case(family, "tiny", False, PP)
     for family in TIEABLE:
-        cases[f"{family}_tied/tp2"] = (family, True, TP)
-    cases["deepseek_v3/pp2-zbv"] = ("deepseek_v3", False, ZBV)
-    for prefix in MOE_FLAVOR:
-        cases[f"{prefix}/tp2"] = (prefix, False, TP)
-        cases[f"{prefix}/pp2"] = (prefix, False, PP)
+        cases[f"{family}_tied/tp2"] = Case(family, "tiny", True, TP)
+    cases["deepseek_v3/pp2-zbv"] = Case("deepseek_v3", "tiny", False, ZBV)
+    cases["qwen3_moe/tp2"] = Case("qwen3", "tiny_moe", False, TP)
+    cases["qwen3_moe/pp2"] = Case("qwen3", "tiny_moe", False, PP)
     return cases
 
 
 CASES = _cases()
 
 
-def _family_args(family: str, tied: bool) -> list[str]:
-    if family in MOE_FLAVOR:
-        name, flavor = MOE_FLAVOR[family]
-        return ["--model.name", name, "--model.flavor", flavor]
-    plugin = ["--model.plugin", "tests.tied_flavors"] if tied else []
-    return [*plugin, "--model.name", f"{family}_tied" if tied else family]
+def _model_args(case: Case) -> list[str]:
+    plugin = ["--model.plugin", "tests.tied_flavors"] if case.tied else []
+    return [*plugin, "--model.name", f"{case.family}_tied" if case.tied else case.family, "--model.flavor", case.flavor]
 
 
 def _worker(cases_file: Path, out_dir: Path) -> None:
@@ -97,11 +100,11 @@ def gradients(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     os.environ.pop("WORLD_SIZE", None)
     workdir = tmp_path_factory.mktemp("chunked_gradients")
     runs = {}
-    for case, (family, tied, layout) in CASES.items():
+    for case_id, case in CASES.items():
         for path, extra in (("whole", []), ("chunked", CHUNKED)):
-            key = f"{case}/{path}"
+            key = f"{case_id}/{path}"
             folder = workdir / key.replace("/", "+")
-            runs[key] = run_args(1, workdir, [*_family_args(family, tied), *COMMON, *layout, *extra, "--job.dump_folder", str(folder)])
+            runs[key] = run_args(1, workdir, [*_model_args(case), *COMMON, *case.layout, *extra, "--job.dump_folder", str(folder)])
     (workdir / "cases.json").write_text(json.dumps(runs))
     out = workdir / "grads"
     out.mkdir()
@@ -116,28 +119,26 @@ def gradients(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return merged
 
 
-def _parameter_names(family: str, tied: bool, case: str) -> set[str]:
-    family, flavor = MOE_FLAVOR.get(family, (family, "tiny"))
-    args = get_model_args(family, flavor)
-    if tied:
+def _parameter_names(case: Case) -> set[str]:
+    args = get_model_args(case.family, case.flavor)
+    if case.tied:
         args = dataclasses.replace(args, tie_embeddings=True)
-    if case.endswith("zbv"):
-        args = dataclasses.replace(args, n_layers=4)
+    if "--model.n_layers" in case.layout:
+        args = dataclasses.replace(args, n_layers=int(case.layout[case.layout.index("--model.n_layers") + 1]))
     with torch.device("meta"):
-        model = get_model_spec(family).model_cls(args)
+        model = get_model_spec(case.family).model_cls(args)
     return {name for name, _ in model.named_parameters()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_loss_gradients_equal_whole_logits_under_tp_and_pp(gradients, case: str) -> None:
-    family, tied, _ = CASES[case]
     whole, chunked = gradients[f"{case}/whole"], gradients[f"{case}/chunked"]
     assert abs(whole["loss"] - chunked["loss"]) <= EXACT, (whole["loss"], chunked["loss"])
     assert whole["aux"].keys() == chunked["aux"].keys()
     for name, value in whole["aux"].items():
         assert abs(value - chunked["aux"][name]) <= EXACT, (name, value, chunked["aux"][name])
-    assert whole["grads"].keys() == chunked["grads"].keys() == _parameter_names(family, tied, case)
+    assert whole["grads"].keys() == chunked["grads"].keys() == _parameter_names(CASES[case])
     worst = max(((chunked["grads"][n] - g).abs().max().item(), n) for n, g in whole["grads"].items())
     assert worst[0] <= EXACT, worst
     # The output projection's gradient (the embedding's, when tied) is not zero: not a comparison of two empty heads.
-    assert whole["grads"]["tok_embeddings.weight" if tied else "output.weight"].abs().max() > 0
+    assert whole["grads"]["tok_embeddings.weight" if CASES[case].tied else "output.weight"].abs().max() > 0
